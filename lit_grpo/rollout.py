@@ -1,0 +1,209 @@
+"""Rollouts: sample G completions per prompt from the current policy.
+
+Prompts are left-padded so every row's completion starts at the same column;
+the completion mask covers real tokens up to and including the EOS that ended
+them. A completion that hit ``max_new_tokens`` without EOS is *truncated*; its
+mask still covers all its tokens unless ``mask_truncated`` drops it from the
+loss (DAPO's "overlong filtering").
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass
+class SamplingSpec:
+    """How completions are sampled.
+
+    Args:
+        group_size: Completions per prompt (G); group statistics need G >= 2.
+        temperature: Sampling temperature (> 0). The objective's log-probs use
+            the same temperature, so the ratio compares like with like.
+        top_p: Nucleus sampling mass in (0, 1]; 1 disables it.
+        top_k: Keep only the k most likely tokens; 0 disables it.
+        max_new_tokens: Longest completion, in tokens.
+        mask_truncated: Drop completions that never produced EOS from the loss.
+    """
+
+    group_size: int = 8
+    temperature: float = 0.8
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    mask_truncated: bool = False
+
+    def __post_init__(self) -> None:
+        if self.group_size < 2:
+            raise ValueError(
+                f"sampling.group_size={self.group_size}; expected >= 2 (the advantage is "
+                "relative to the other completions of the same prompt)."
+            )
+        if not self.temperature > 0:
+            raise ValueError(f"sampling.temperature={self.temperature}; expected > 0.")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p={self.top_p}; expected a value in (0, 1].")
+        if self.top_k < 0:
+            raise ValueError(f"sampling.top_k={self.top_k}; expected >= 0 (0 disables it).")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"sampling.max_new_tokens={self.max_new_tokens}; expected >= 1.")
+
+
+@dataclass
+class Rollout:
+    """Sampled completions for N = B*G rows (groups contiguous)."""
+
+    prompt_ids: Tensor  # [N, P] left-padded
+    prompt_mask: Tensor  # [N, P]
+    completion_ids: Tensor  # [N, C] right-padded
+    completion_mask: Tensor  # [N, C] 1 up to and including EOS
+    truncated: Tensor  # [N] bool: no EOS within max_new_tokens
+    texts: list[str]
+    seconds: float
+
+    @property
+    def lengths(self) -> Tensor:
+        return self.completion_mask.sum(-1)  # [N]
+
+
+def eos_ids(tokenizer, model: nn.Module) -> list[int]:
+    """All token ids that end a completion (tokenizer EOS and generation config EOS)."""
+    ids = {tokenizer.eos_token_id}
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(configured if isinstance(configured, list) else [configured])
+    return sorted(i for i in ids if i is not None)
+
+
+def completion_mask(completion_ids: Tensor, eos: list[int]) -> tuple[Tensor, Tensor]:
+    """Mask of real completion tokens (through the first EOS) and the truncated flags."""
+    is_eos = torch.isin(completion_ids, torch.tensor(eos, device=completion_ids.device))  # [N, C]
+    seen_before = is_eos.cumsum(-1) - is_eos.long()  # EOS tokens strictly before t
+    mask = (seen_before == 0).long()  # [N, C]
+    truncated = ~is_eos.any(-1)  # [N]
+    return mask, truncated
+
+
+def encode_prompts(
+    tokenizer, texts: list[str], max_prompt_length: int | None, overflow: str = "error"
+) -> tuple[Tensor, Tensor]:
+    """Tokenize chat-formatted prompts, left-padded.
+
+    Args:
+        tokenizer: A Hugging Face tokenizer with ``padding_side="left"``.
+        texts: Prompts with the chat template already applied.
+        max_prompt_length: Longest prompt in tokens (``None``: no limit).
+        overflow: ``"error"`` refuses longer prompts; ``"truncate"`` keeps their
+            last ``max_prompt_length`` tokens (the question's end and the
+            assistant header survive) and warns.
+
+    Returns:
+        ``(input_ids [B, P], attention_mask [B, P])``.
+    """
+    rows = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    if max_prompt_length is not None:
+        long = [i for i, r in enumerate(rows) if len(r) > max_prompt_length]
+        if long and overflow == "error":
+            i = long[0]
+            raise ValueError(
+                f"prompt {texts[i][:80]!r}... has {len(rows[i])} tokens > data.max_prompt_length="
+                f"{max_prompt_length}; raise the limit or set data.prompt_overflow='truncate'."
+            )
+        if long:
+            warnings.warn(
+                f"{len(long)} prompt(s) longer than max_prompt_length={max_prompt_length} "
+                "tokens were truncated from the left.",
+                stacklevel=2,
+            )
+            rows = [r[-max_prompt_length:] for r in rows]
+    width = max(len(r) for r in rows)
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])  # [B, P]
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])  # [B, P]
+    return ids, mask
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    tokenizer,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    sampling: SamplingSpec,
+    *,
+    greedy: bool = False,
+    repeat: int | None = None,
+    progress=None,
+) -> Rollout:
+    """Sample completions for each prompt.
+
+    Args:
+        model: The policy (peft or plain HF causal LM, possibly FSDP-sharded).
+        tokenizer: Its tokenizer.
+        prompt_ids: ``[B, P]`` left-padded prompts.
+        prompt_mask: ``[B, P]`` attention mask.
+        sampling: Sampling settings.
+        greedy: Decode greedily (validation) instead of sampling.
+        repeat: Completions per prompt; defaults to ``sampling.group_size``
+            (1 when ``greedy``). Rows of one prompt are contiguous.
+        progress: A tqdm bar advanced once per decoding step, or ``None``.
+
+    Returns:
+        The :class:`Rollout` for ``B * repeat`` rows.
+    """
+    from transformers import GenerationConfig
+
+    repeat = repeat or (1 if greedy else sampling.group_size)
+    device = next(model.parameters()).device
+    prompt_ids = prompt_ids.repeat_interleave(repeat, 0).to(device)  # [N, P]
+    prompt_mask = prompt_mask.repeat_interleave(repeat, 0).to(device)  # [N, P]
+    eos = eos_ids(tokenizer, model)
+    config = GenerationConfig(
+        do_sample=not greedy,
+        temperature=sampling.temperature if not greedy else None,
+        top_p=sampling.top_p if not greedy else None,
+        top_k=sampling.top_k if not greedy else None,
+        max_new_tokens=sampling.max_new_tokens,
+        eos_token_id=eos,
+        pad_token_id=tokenizer.pad_token_id,
+        use_cache=True,
+    )
+    was_training = model.training
+    model.eval()
+    start = time.perf_counter()
+    try:
+        sequences = model.generate(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            generation_config=config,
+            streamer=_StepCounter(progress) if progress is not None else None,
+        )  # [N, P + C]
+    finally:
+        model.train(was_training)
+        if progress is not None:
+            progress.close()
+    seconds = time.perf_counter() - start
+    completion_ids = sequences[:, prompt_ids.shape[1] :]  # [N, C]
+    mask, truncated = completion_mask(completion_ids, eos)
+    completion_ids = completion_ids.masked_fill(mask == 0, tokenizer.pad_token_id)
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    return Rollout(prompt_ids, prompt_mask, completion_ids, mask, truncated, texts, seconds)
+
+
+class _StepCounter:
+    """A generate() streamer that only advances a progress bar per decoding step."""
+
+    def __init__(self, bar) -> None:
+        self.bar, self.prompt_seen = bar, False
+
+    def put(self, value: Tensor) -> None:
+        if self.prompt_seen:  # the first call carries the prompt, not a new token
+            self.bar.update(1)
+        self.prompt_seen = True
+
+    def end(self) -> None:
+        self.bar.refresh()

@@ -1,0 +1,154 @@
+"""One rollout round: prompts -> completions -> rewards -> advantages -> buffer rows.
+
+Kept apart from the DataModule so the sequence reads top to bottom. With
+dynamic sampling (DAPO) groups whose rewards are all equal carry no signal;
+they are replaced by groups of fresh prompts for up to
+``max_sampling_rounds`` rounds, and if signal is still short the buffer is
+topped up with collapsed groups so every rank trains on the same number of
+rows (a DDP requirement).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
+
+from lit_grpo.objectives import group_advantages
+from lit_grpo.rollout import Rollout, generate
+
+
+@dataclass
+class RolloutResult:
+    rows: dict[str, Tensor]
+    stats: dict[str, float]
+    samples: list[tuple[str, str, float]]  # (prompt, completion, reward) for logging
+
+
+@dataclass
+class _Group:
+    prompt_ids: Tensor  # [G, P]
+    prompt_mask: Tensor  # [G, P]
+    completion_ids: Tensor  # [G, C]
+    completion_mask: Tensor  # [G, C]
+    truncated: Tensor  # [G]
+    rewards: Tensor  # [G]
+    per_function: dict[str, Tensor]  # name -> [G]
+    prompt: str
+    texts: list[str]
+
+
+def collect_rollout(datamodule, module, rank: int, world: int) -> RolloutResult:
+    """Run one epoch's rollout for this rank (see the module docstring)."""
+    hp, sampling = datamodule.hparams, datamodule.sampling
+    G, local = sampling.group_size, datamodule.hparams.prompts_per_epoch // world
+    timings = {"generate": 0.0, "reward": 0.0}
+    kept: list[_Group] = []
+    spare: list[_Group] = []
+    generated_tokens = 0
+    rounds = hp.max_sampling_rounds if hp.dynamic_sampling else 1
+    for round_index in range(rounds):
+        prompts = datamodule.next_prompts(hp.prompts_per_epoch)[rank * local : (rank + 1) * local]
+        groups, tokens = _sample_groups(datamodule, module, prompts, timings, round_index)
+        generated_tokens += tokens
+        for group in groups:
+            collapsed = bool(group_advantages(group.rewards, G).collapsed[0])
+            (spare if hp.dynamic_sampling and collapsed else kept).append(group)
+        missing = torch.tensor(float(max(local - len(kept), 0)))
+        if datamodule.trainer.strategy.reduce(missing, reduce_op="sum") == 0:
+            break
+    groups = (kept + spare)[:local]
+    rows, stats = _assemble(groups, module, datamodule, timings)
+    stats.update(_rollout_stats(groups, rows, G))
+    stats["rollout/tokens_per_s"] = generated_tokens / max(timings["generate"], 1e-9)
+    stats["rollout/rounds"] = float(round_index + 1)
+    stats.update({f"time/{name}": seconds for name, seconds in timings.items()})
+    samples = [(g.prompt, g.texts[0], float(g.rewards[0])) for g in groups[:2]]
+    return RolloutResult(rows, stats, samples)
+
+
+def _sample_groups(datamodule, module, prompts: list[dict], timings: dict, round_index: int):
+    sampling = datamodule.sampling
+    prompt_ids, prompt_mask = datamodule.encode(prompts)
+    with module.generation_context() as model:
+        rollout: Rollout = generate(model, module.tokenizer, prompt_ids, prompt_mask, sampling,
+                                    progress=module.show_progress(f"rollout {round_index + 1}", sampling.max_new_tokens))
+    timings["generate"] += rollout.seconds
+    start = time.perf_counter()
+    G = sampling.group_size
+    rows = [row for row in prompts for _ in range(G)]
+    columns = {key: [row.get(key) for row in rows] for key in rows[0] if key != "prompt"}
+    columns["completion_length"] = rollout.lengths.tolist()
+    scores = datamodule.rewards.score([r["prompt"] for r in rows], rollout.texts, columns)
+    timings["reward"] += time.perf_counter() - start
+    groups = []
+    for i, prompt in enumerate(prompts):
+        s = slice(i * G, (i + 1) * G)
+        groups.append(_Group(
+            rollout.prompt_ids[s], rollout.prompt_mask[s], rollout.completion_ids[s],
+            rollout.completion_mask[s], rollout.truncated[s], scores.total[s],
+            {name: values[s] for name, values in scores.per_function.items()},
+            prompt["prompt"], rollout.texts[s],
+        ))
+    return groups, int(rollout.lengths.sum())
+
+
+def _assemble(groups: list[_Group], module, datamodule, timings: dict):
+    hp, sampling = datamodule.hparams, datamodule.sampling
+    pad = module.tokenizer.pad_token_id
+    rows = {
+        # prompts stay left-padded: flip, right-pad, flip back
+        "prompt_ids": _left_pad([g.prompt_ids for g in groups], pad),  # [N, P]
+        "prompt_mask": _left_pad([g.prompt_mask for g in groups], 0),  # [N, P]
+        "completion_ids": _right_pad([g.completion_ids for g in groups], pad),  # [N, C]
+        "completion_mask": _right_pad([g.completion_mask for g in groups], 0),  # [N, C]
+    }
+    truncated = torch.cat([g.truncated for g in groups])  # [N]
+    if sampling.mask_truncated:
+        rows["completion_mask"] = rows["completion_mask"] * (~truncated).unsqueeze(-1)
+    rewards = torch.cat([g.rewards for g in groups])  # [N]
+    advantages = group_advantages(rewards, sampling.group_size, scale=hp.advantage_scale)
+    rows["advantages"] = advantages.advantages
+    start = time.perf_counter()
+    if module.needs_reference:
+        rows["ref_logprobs"] = module.rollout_logprobs(rows, sampling.temperature, reference=True)
+        timings["reference"] = time.perf_counter() - start
+    steps_per_rollout = len(rewards) // hp.batch_size // datamodule.trainer.accumulate_grad_batches
+    if hp.num_iterations > 1 or steps_per_rollout > 1:
+        # The policy moves between optimizer steps on this rollout, so pi_old must
+        # be frozen now; with a single step pi_old = pi_theta and the training
+        # step uses its own detached log-probs instead (no extra forward pass).
+        start = time.perf_counter()
+        rows["old_logprobs"] = module.rollout_logprobs(rows, sampling.temperature, reference=False)
+        timings["old_logprobs"] = time.perf_counter() - start
+    stats = {"rollout/collapsed_fraction": advantages.collapsed.float().mean().item(),
+             "rollout/truncated_fraction": truncated.float().mean().item()}
+    return rows, stats
+
+
+def _rollout_stats(groups: list[_Group], rows: dict[str, Tensor], G: int) -> dict[str, float]:
+    rewards = torch.cat([g.rewards for g in groups])  # [N]
+    lengths = torch.cat([g.completion_mask.sum(-1) for g in groups]).float()  # [N]
+    stats = {
+        "reward/total": rewards.mean().item(),
+        "reward/std": rewards.view(-1, G).std(-1, unbiased=False).mean().item(),
+        "completion/length_mean": lengths.mean().item(),
+        "completion/length_max": lengths.max().item(),
+    }
+    for name in groups[0].per_function:
+        values = torch.cat([g.per_function[name] for g in groups])
+        stats[f"reward/{name}"] = values.nanmean().item() if not values.isnan().all() else float("nan")
+    return stats
+
+
+def _right_pad(tensors: list[Tensor], value: int) -> Tensor:
+    rows = [row for t in tensors for row in t]
+    return pad_sequence(rows, batch_first=True, padding_value=value)
+
+
+def _left_pad(tensors: list[Tensor], value: int) -> Tensor:
+    rows = [row.flip(0) for t in tensors for row in t]
+    return pad_sequence(rows, batch_first=True, padding_value=value).flip(1)

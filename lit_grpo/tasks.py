@@ -1,0 +1,95 @@
+"""Built-in tasks generated on the fly: no download, seedable, verifiable.
+
+``arithmetic``: "What is 47 + 38?" with the exact answer (+, -, x).
+``countdown``: reach a target with the given numbers, each used once, with
+``+ - * /``; the ``countdown`` reward checks the expression with a safe
+evaluator. Each row also carries one valid solution as ``answer``.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Callable
+
+_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+
+def arithmetic(n: int, seed: int, digits: int = 2, ops: str = "+-*") -> list[dict]:
+    """Generate ``n`` distinct "What is A op B?" questions.
+
+    Args:
+        n: Number of rows.
+        seed: Random seed; the same seed gives the same rows.
+        digits: Digits per operand (2 gives 10..99).
+        ops: Which of ``+ - *`` to draw from.
+
+    Returns:
+        Rows with ``prompt`` and ``answer`` (the exact integer result as text).
+    """
+    bad = set(ops) - set(_OPS)
+    if not ops or bad:
+        raise ValueError(f"task ops={ops!r}; expected a non-empty string drawn from '+-*'.")
+    if digits < 1:
+        raise ValueError(f"task digits={digits}; expected >= 1.")
+    low, high = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
+    capacity = (high - low + 1) ** 2 * len(ops)
+    if n > capacity:
+        raise ValueError(f"arithmetic task: n={n} exceeds the {capacity} distinct questions.")
+    rng = random.Random(seed)
+    seen: set[tuple[int, str, int]] = set()
+    rows = []
+    while len(rows) < n:
+        a, b, op = rng.randint(low, high), rng.randint(low, high), rng.choice(ops)
+        if (a, op, b) in seen:
+            continue
+        seen.add((a, op, b))
+        rows.append({"prompt": f"What is {a} {op} {b}?", "answer": str(_OPS[op](a, b))})
+    return rows
+
+
+def countdown(n: int, seed: int, count: int = 3, max_number: int = 20) -> list[dict]:
+    """Generate ``n`` countdown puzzles that have a solution.
+
+    Args:
+        n: Number of rows.
+        seed: Random seed.
+        count: Numbers per puzzle (each used exactly once).
+        max_number: Numbers are drawn from ``1..max_number``.
+
+    Returns:
+        Rows with ``prompt``, ``numbers`` (list of int), ``target`` (int) and
+        ``answer`` (one expression that reaches the target).
+    """
+    if count < 2:
+        raise ValueError(f"countdown count={count}; expected >= 2.")
+    rng = random.Random(seed)
+    rows = []
+    while len(rows) < n:
+        numbers = [rng.randint(1, max_number) for _ in range(count)]
+        expression, target = _random_expression(numbers, rng)
+        if target <= 0 or target != int(target):
+            continue
+        target = int(target)
+        prompt = (
+            f"Using the numbers {numbers}, write an equation that equals {target}. "
+            "Use each number exactly once and only + - * / and parentheses. "
+            "Give the equation inside <answer></answer>, for example <answer>(1 + 2) * 3</answer>."
+        )
+        rows.append({"prompt": prompt, "numbers": numbers, "target": target, "answer": expression})
+    return rows
+
+
+def _random_expression(numbers: list[int], rng: random.Random) -> tuple[str, float]:
+    order = numbers[:]
+    rng.shuffle(order)
+    expression, value = str(order[0]), float(order[0])
+    for number in order[1:]:
+        op = rng.choice("+-*/")
+        if op == "/" and (number == 0 or value % number):
+            op = "+"
+        value = {"+": value + number, "-": value - number, "*": value * number, "/": value / number}[op]
+        expression = f"({expression} {op} {number})"
+    return expression, value
+
+
+TASKS: dict[str, Callable[..., list[dict]]] = {"arithmetic": arithmetic, "countdown": countdown}
