@@ -1,0 +1,60 @@
+"""Verifiable rewards: the protocol, the combiner, the built-ins and the sandbox.
+
+A reward function is any ``f(prompts, completions, **columns) -> list[float | None]``
+(see :mod:`lit_grpo.rewards.base`). The built-ins are plain functions of that
+shape, each with a YAML-configurable class form that carries its weight and
+parameters.
+"""
+
+from lit_grpo.rewards.base import (
+    FromCallable,
+    Reward,
+    RewardCombiner,
+    RewardFunctionError,
+    RewardScores,
+    import_reward,
+)
+from lit_grpo.rewards.code import CodeUnitTests, code_unit_tests
+from lit_grpo.rewards.countdown import Countdown, countdown
+from lit_grpo.rewards.math import (
+    Accuracy,
+    Format,
+    LanguageConsistency,
+    OverlongPenalty,
+    accuracy,
+    format,
+    language_consistency,
+    overlong_penalty,
+)
+from lit_grpo.rewards.sandbox import Program, Sandbox, SandboxResult
+
+# Reward functions reachable by bare name (e.g. ``FromCallable(function="accuracy")``).
+BUILTINS = {
+    fn.__name__: fn
+    for fn in (accuracy, format, language_consistency, overlong_penalty, code_unit_tests, countdown)
+}
+
+__all__ = [
+    "BUILTINS",
+    "Accuracy",
+    "CodeUnitTests",
+    "Countdown",
+    "Format",
+    "FromCallable",
+    "LanguageConsistency",
+    "OverlongPenalty",
+    "Program",
+    "Reward",
+    "RewardCombiner",
+    "RewardFunctionError",
+    "RewardScores",
+    "Sandbox",
+    "SandboxResult",
+    "accuracy",
+    "code_unit_tests",
+    "countdown",
+    "format",
+    "import_reward",
+    "language_consistency",
+    "overlong_penalty",
+]
