@@ -1,0 +1,35 @@
+"""The GRPO objective as pure functions on tensors (imports only torch).
+
+Pipeline, one rollout batch of B prompts x G completions (N = B*G rows):
+
+* :func:`group_advantages` -- rewards ``[N]`` -> one advantage per completion,
+  normalised within its group (DESIGN.md section 1).
+* :func:`token_logprobs` -- logits ``[N, T, V]`` + sampled tokens ``[N, T]`` ->
+  ``[N, T]`` log-probabilities, chunked so no fp32 ``[N, T, V]`` log-softmax is
+  ever held (section 2). :func:`token_entropy` is its logging companion.
+* :func:`grpo_loss` -- clipped surrogate + k3 KL, aggregated by ``loss_type``
+  (sections 3-6); returns a :class:`LossOutput` with ``.loss`` and ``.metrics``.
+
+* :func:`dpo_loss` -- preference pairs' summed log-probs (policy and
+  reference, see :func:`sequence_logps`) -> the sigmoid DPO loss, same
+  :class:`LossOutput`.
+
+Other objectives belong in their own module here and return the same
+:class:`LossOutput`.
+"""
+
+from lit_grpo.objectives.advantages import Advantages, group_advantages
+from lit_grpo.objectives.dpo import dpo_loss, sequence_logps
+from lit_grpo.objectives.grpo import LossOutput, grpo_loss
+from lit_grpo.objectives.logprobs import token_entropy, token_logprobs
+
+__all__ = [
+    "Advantages",
+    "LossOutput",
+    "dpo_loss",
+    "group_advantages",
+    "grpo_loss",
+    "sequence_logps",
+    "token_entropy",
+    "token_logprobs",
+]

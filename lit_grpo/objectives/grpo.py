@@ -1,0 +1,225 @@
+"""The GRPO loss: clipped surrogate + k3 KL, aggregated (DESIGN.md sections 3-6).
+
+Per token, ``l = -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A) + beta*KL``
+with ``rho = exp(logprobs - old_logprobs)`` and the k3 estimator
+``KL = exp(ref - logp) - (ref - logp) - 1``. Variants are tables:
+``importance_level`` picks how rho is formed, ``loss_type`` how ``l`` is
+averaged. Deliberate choices:
+
+* Padding positions are zeroed *before* ``exp``, so garbage (even ``inf``) in
+  padded log-probs can neither overflow nor leak NaN into the gradient.
+* ``loss_type="grpo"`` divides by all N rows, empty ones included (each row's
+  token count is clamped to 1, as TRL does): a row's weight is ``1/N``
+  whatever its neighbours, and an all-padding micro-batch gives loss 0.
+* ``beta == 0`` never reads ``ref_logprobs`` and leaves ``kl`` out of the
+  metrics rather than report a made-up value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+
+class LossOutput(NamedTuple):
+    """What an objective returns.
+
+    Attributes:
+        loss: Scalar to backpropagate.
+        metrics: Detached scalar tensors to log, keyed by metric name.
+    """
+
+    loss: Tensor
+    metrics: dict[str, Tensor]
+
+
+def _token_log_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    return log_ratio  # [N, T]
+
+
+def _sequence_log_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    # GSPO: one ratio per sequence, exp of the mean token log-ratio.
+    return (_row_sums(log_ratio, mask) / _row_counts(mask)).unsqueeze(-1)  # [N, 1]
+
+
+_IMPORTANCE_LEVELS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "token": _token_log_ratio,
+    "sequence": _sequence_log_ratio,
+}
+
+
+def _row_sums(values: Tensor, mask: Tensor) -> Tensor:
+    return (values * mask).sum(-1)  # [N]
+
+
+def _row_counts(mask: Tensor) -> Tensor:
+    return mask.sum(-1).clamp(min=1.0)  # [N]
+
+
+def _mean_per_sequence(loss: Tensor, mask: Tensor, norm: float | Tensor | None) -> Tensor:
+    return (_row_sums(loss, mask) / _row_counts(mask)).sum() / loss.shape[0]
+
+
+def _mean_per_token(loss: Tensor, mask: Tensor, norm: float | Tensor | None) -> Tensor:
+    return _row_sums(loss, mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _sum_over_norm(loss: Tensor, mask: Tensor, norm: float | Tensor | None) -> Tensor:
+    return _row_sums(loss, mask).sum() / norm
+
+
+def _sum_over_rows_times_norm(loss: Tensor, mask: Tensor, norm: float | Tensor | None) -> Tensor:
+    return _row_sums(loss, mask).sum() / (loss.shape[0] * norm)
+
+
+class _Aggregation(NamedTuple):
+    reduce: Callable[[Tensor, Tensor, float | Tensor | None], Tensor]
+    norm_arg: str | None  # the grpo_loss keyword that supplies `norm`, if any
+
+
+_LOSS_TYPES: dict[str, _Aggregation] = {
+    "grpo": _Aggregation(_mean_per_sequence, None),
+    "bnpo": _Aggregation(_mean_per_token, None),
+    "dapo": _Aggregation(_sum_over_norm, "num_items"),
+    "dr_grpo": _Aggregation(_sum_over_rows_times_norm, "max_completion_length"),
+}
+
+
+def _check_choice(name: str, value: str, table: dict) -> None:
+    if value not in table:
+        raise ValueError(f"{name} must be one of {sorted(table)}, got {value!r}")
+
+
+def _check_shapes(logprobs: Tensor, advantages: Tensor, **same_as_logprobs: Tensor) -> None:
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [N, T], got shape {tuple(logprobs.shape)}")
+    for name, tensor in same_as_logprobs.items():
+        if tensor.shape != logprobs.shape:
+            raise ValueError(
+                f"{name} shape {tuple(tensor.shape)} does not match logprobs shape "
+                f"{tuple(logprobs.shape)}"
+            )
+    if advantages.shape != logprobs.shape[:1]:
+        raise ValueError(
+            f"advantages shape {tuple(advantages.shape)} does not match logprobs shape "
+            f"{tuple(logprobs.shape)} (expected advantages [N] for logprobs [N, T])"
+        )
+
+
+def _check_norm(loss_type: str, name: str | None, value) -> None:
+    if name is None:
+        return
+    if value is None:
+        raise ValueError(f"loss_type={loss_type!r} needs {name}, got None")
+    # A tensor (e.g. an all-reduced token count) is not checked: that would sync the device.
+    if not isinstance(value, Tensor) and not value > 0:
+        raise ValueError(f"{name} must be > 0 for loss_type={loss_type!r}, got {value}")
+
+
+def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    return ((values * mask).sum() / mask.sum().clamp(min=1.0)).detach()
+
+
+def _k3_kl(ref_logprobs: Tensor, logprobs: Tensor, real: Tensor) -> Tensor:
+    log_ref_ratio = torch.where(real, ref_logprobs - logprobs, 0.0)  # [N, T]
+    return torch.exp(log_ref_ratio) - log_ref_ratio - 1.0  # [N, T], >= 0
+
+
+def grpo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    completion_mask: Tensor,
+    *,
+    ref_logprobs: Tensor | None = None,
+    beta: float = 0.04,
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    loss_type: str = "grpo",
+    importance_level: str = "token",
+    max_completion_length: int | None = None,
+    num_items: int | float | Tensor | None = None,
+) -> LossOutput:
+    """Clipped GRPO surrogate with a k3 KL penalty, aggregated by ``loss_type``.
+
+    Args:
+        logprobs: ``[N, T]`` log-probs of the sampled tokens under the current
+            policy (with grad).
+        old_logprobs: ``[N, T]`` log-probs under the rollout policy; pass
+            ``logprobs.detach()`` when each rollout gets one optimizer step.
+        advantages: ``[N]`` one advantage per completion.
+        completion_mask: ``[N, T]`` 1 for real completion tokens (EOS
+            included), 0 for padding; bool or numeric.
+        ref_logprobs: ``[N, T]`` reference-policy log-probs; required iff
+            ``beta > 0``.
+        beta: KL coefficient; 0 skips the KL term entirely.
+        epsilon_low: Lower clip range, ratio floored at ``1 - epsilon_low``.
+        epsilon_high: Upper clip range, ratio capped at ``1 + epsilon_high``
+            (0.28 is DAPO's clip-higher).
+        loss_type: "grpo" (mean over rows of each row's token mean), "bnpo"
+            (token mean over the micro-batch), "dapo" (token sum / ``num_items``)
+            or "dr_grpo" (token sum / (N * ``max_completion_length``)).
+        importance_level: "token" (one ratio per token) or "sequence" (GSPO:
+            ``exp`` of the row's mean token log-ratio, shared by its tokens).
+        max_completion_length: Generation length cap; required by "dr_grpo".
+        num_items: Real completion tokens in the whole rollout batch (all
+            accumulation steps and ranks); required by "dapo".
+
+    Returns:
+        :class:`LossOutput`: scalar ``loss``; ``metrics`` with ``clip_ratio/low``,
+        ``clip_ratio/high``, ``clip_ratio/region`` (fractions of real tokens
+        where the clip is active), ``ratio/mean`` and, when ``beta > 0``, ``kl``
+        (mean over real tokens).
+
+    Raises:
+        ValueError: Unknown ``loss_type``/``importance_level``, mismatched
+            shapes, ``beta > 0`` without ``ref_logprobs``, or the
+            normaliser that ``loss_type`` needs missing or not positive.
+    """
+    _check_choice("loss_type", loss_type, _LOSS_TYPES)
+    _check_choice("importance_level", importance_level, _IMPORTANCE_LEVELS)
+    aggregation = _LOSS_TYPES[loss_type]
+    norm = {"num_items": num_items, "max_completion_length": max_completion_length}.get(
+        aggregation.norm_arg
+    )
+    _check_norm(loss_type, aggregation.norm_arg, norm)
+    if beta > 0 and ref_logprobs is None:
+        raise ValueError(f"beta={beta} > 0 needs ref_logprobs; pass them or set beta=0")
+    with_ref = {"ref_logprobs": ref_logprobs} if beta > 0 else {}
+    _check_shapes(
+        logprobs, advantages, old_logprobs=old_logprobs, completion_mask=completion_mask, **with_ref
+    )
+
+    real = completion_mask.bool()  # [N, T]
+    mask = real.to(logprobs.dtype)  # [N, T]
+    log_ratio = torch.where(real, logprobs - old_logprobs, 0.0)  # [N, T]
+    ratio = torch.exp(_IMPORTANCE_LEVELS[importance_level](log_ratio, mask))  # [N, T] or [N, 1]
+    adv = advantages.to(logprobs.dtype).unsqueeze(-1)  # [N, 1]
+    clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+    per_token = -torch.minimum(ratio * adv, clipped * adv).expand_as(mask)  # [N, T]
+
+    metrics = _clip_metrics(ratio.detach().expand_as(mask), adv, mask, epsilon_low, epsilon_high)
+    if beta > 0:
+        kl = _k3_kl(ref_logprobs, logprobs, real)  # [N, T]
+        per_token = per_token + beta * kl
+        metrics["kl"] = _masked_mean(kl, mask)
+    loss = aggregation.reduce(per_token, mask, norm)
+    return LossOutput(loss=loss, metrics=metrics)
+
+
+def _clip_metrics(
+    ratio: Tensor, adv: Tensor, mask: Tensor, epsilon_low: float, epsilon_high: float
+) -> dict[str, Tensor]:
+    # The clip binds only where it lowers the objective: below the range for
+    # A < 0, above it for A > 0 (elsewhere min() picks the unclipped term).
+    low = ((ratio < 1.0 - epsilon_low) & (adv < 0)).to(mask.dtype)  # [N, T]
+    high = ((ratio > 1.0 + epsilon_high) & (adv > 0)).to(mask.dtype)  # [N, T]
+    return {
+        "clip_ratio/low": _masked_mean(low, mask),
+        "clip_ratio/high": _masked_mean(high, mask),
+        "clip_ratio/region": _masked_mean(low + high, mask),
+        "ratio/mean": _masked_mean(ratio, mask),
+    }
