@@ -2,6 +2,8 @@
 
 ``lit-grpo fit --config configs/quickstart.yaml`` trains; ``--help`` lists
 every option (generated from the constructors' docstrings);
+``lit-grpo dpo fit --config configs/dpo_quickstart.yaml`` trains DPOModule on
+a PreferenceDataModule instead (``lit-grpo dpo --help``);
 ``lit-grpo plot RUN_DIR`` draws a finished run's curves.
 """
 
@@ -15,12 +17,10 @@ from lit_grpo.data import OnPolicyDataModule
 from lit_grpo.module import GRPOModule
 
 
-class GRPOCli(LightningCLI):
-    """LightningCLI with the trainer settings GRPO depends on."""
+class PolicyCli(LightningCLI):
+    """LightningCLI for a :class:`~lit_grpo.policy_module.PolicyModule`: adds ``--export_adapter``."""
 
     def add_arguments_to_parser(self, parser) -> None:
-        # Each epoch is one rollout round: the DataModule must regenerate.
-        parser.set_defaults({"trainer.reload_dataloaders_every_n_epochs": 1})
         parser.add_argument("--export_adapter", type=str | None, default=None,
                             help="After fit, write the trained adapter (PEFT format) to this folder.")
 
@@ -31,6 +31,15 @@ class GRPOCli(LightningCLI):
             print(f"adapter written to {path}")
 
 
+class GRPOCli(PolicyCli):
+    """LightningCLI with the trainer settings GRPO depends on."""
+
+    def add_arguments_to_parser(self, parser) -> None:
+        super().add_arguments_to_parser(parser)
+        # Each epoch is one rollout round: the DataModule must regenerate.
+        parser.set_defaults({"trainer.reload_dataloaders_every_n_epochs": 1})
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``lit-grpo`` console script."""
     argv = sys.argv[1:] if args is None else args
@@ -38,6 +47,13 @@ def main(args: list[str] | None = None) -> None:
         from lit_grpo.plots import main as plot_main
 
         plot_main(argv[1:])
+        return
+    if argv[:1] == ["dpo"]:
+        from lit_grpo.dpo import DPOModule
+        from lit_grpo.dpo_data import PreferenceDataModule
+
+        PolicyCli(DPOModule, PreferenceDataModule, args=argv[1:], save_config_kwargs={"overwrite": True},
+                  parser_kwargs={"prog": "lit-grpo dpo"})
         return
     GRPOCli(GRPOModule, OnPolicyDataModule, args=argv, save_config_kwargs={"overwrite": True})
 

@@ -157,18 +157,8 @@ class OnPolicyDataModule(L.LightningDataModule):
     # ---------------------------------------------------------------- prompts
     def format_prompts(self, rows: list[dict]) -> list[str]:
         """Apply the prompt template and the tokenizer's chat template."""
-        tokenizer = self.trainer.lightning_module.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError(
-                "the tokenizer has no chat template, which GRPO prompts need; use an instruct/chat "
-                "model or set tokenizer.chat_template."
-            )
-        texts = []
-        for row in rows:
-            messages = [{"role": "system", "content": self.hparams.system_prompt}] if self.hparams.system_prompt else []
-            messages.append({"role": "user", "content": self.hparams.prompt_template.format(prompt=row["prompt"])})
-            texts.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
-        return texts
+        return chat_prompts(self.trainer.lightning_module.tokenizer, [row["prompt"] for row in rows],
+                            self.hparams.system_prompt, self.hparams.prompt_template)
 
     def encode(self, rows: list[dict]):
         """Chat-format and tokenize prompts: ``(ids [B, P], mask [B, P])``."""
@@ -236,6 +226,25 @@ class OnPolicyDataModule(L.LightningDataModule):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.position, self.passes = state_dict["position"], state_dict["passes"]
+
+
+def chat_prompts(tokenizer, prompts: list[str], system_prompt: str | None, prompt_template: str) -> list[str]:
+    """Wrap each prompt in ``prompt_template`` and the tokenizer's chat template.
+
+    Raises:
+        ValueError: The tokenizer has no chat template.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "the tokenizer has no chat template, which the prompts need; use an instruct/chat "
+            "model or set tokenizer.chat_template."
+        )
+    texts = []
+    for prompt in prompts:
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        messages.append({"role": "user", "content": prompt_template.format(prompt=prompt)})
+        texts.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    return texts
 
 
 def columns_of(rows: list[dict]) -> dict[str, list]:

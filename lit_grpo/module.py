@@ -22,16 +22,15 @@ import time
 from pathlib import Path
 from typing import Literal
 
-import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torchmetrics import MeanMetric
 from tqdm.auto import tqdm
 
 from lit_grpo.objectives import grpo_loss
-from lit_grpo.policy import PolicySpec, build_policy, completion_logprobs, load_tokenizer
+from lit_grpo.policy import PolicySpec, completion_logprobs
+from lit_grpo.policy_module import PolicyModule
 from lit_grpo.rollout import generate
-from lit_grpo.training_guard import NonFiniteGuard
 
 # Loss types normalised by a count taken over the whole optimizer step on all
 # ranks; Lightning averages micro-batches and DDP averages ranks, so these
@@ -39,7 +38,7 @@ from lit_grpo.training_guard import NonFiniteGuard
 _GLOBALLY_NORMALISED = {"dapo"}
 
 
-class GRPOModule(L.LightningModule):
+class GRPOModule(PolicyModule):
     """Group Relative Policy Optimization for a causal language model.
 
     Args:
@@ -83,30 +82,16 @@ class GRPOModule(L.LightningModule):
         log_samples: int = 2,
         progress: bool = True,
     ) -> None:
-        super().__init__()
+        super().__init__(policy, optimizer, scheduler, max_nonfinite_steps)
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         if beta < 0:
             raise ValueError(f"model.beta={beta}; expected >= 0.")
         for name, value in (("epsilon_low", epsilon_low), ("epsilon_high", epsilon_high)):
             if value < 0:
                 raise ValueError(f"model.{name}={value}; expected >= 0.")
-        self.spec = policy or PolicySpec()
-        self.tokenizer = load_tokenizer(self.spec)
-        self.policy: torch.nn.Module | None = None
-        self.reference: torch.nn.Module | None = None
-        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
-        self.guard = NonFiniteGuard(max_nonfinite_steps)
-        self.strict_loading = False  # checkpoints hold only the trainable weights
         self.val_accuracy = MeanMetric()
-        self.phase_seconds: dict[str, float] = {}
 
     # ------------------------------------------------------------------ model
-    def configure_model(self) -> None:
-        """Load the policy once (Lightning may call this more than once)."""
-        if self.policy is not None:
-            return
-        self.policy, self.reference = build_policy(self.spec, need_reference=self.needs_reference)
-
     @property
     def needs_reference(self) -> bool:
         return self.hparams.beta > 0
@@ -130,10 +115,8 @@ class GRPOModule(L.LightningModule):
         disabled, or the frozen copy under full fine-tuning).
         """
         size = self.trainer.datamodule.hparams.batch_size if self._trainer else len(rows["advantages"])
-        model = self.reference if (reference and self.reference is not None) else self.policy
-        disable = self.policy.disable_adapter() if reference and self.reference is None else contextlib.nullcontext()
         out = []
-        with disable:
+        with self.reference_model() if reference else contextlib.nullcontext(self.policy) as model:
             was_training = model.training
             model.eval()
             for start in range(0, rows["prompt_ids"].shape[0], size):
@@ -183,33 +166,6 @@ class GRPOModule(L.LightningModule):
 
     def on_after_backward(self) -> None:
         self._add_time("policy_backward", time.perf_counter() - self._backward_start)
-
-    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
-        """Step only when the gradient is finite (see :class:`NonFiniteGuard`)."""
-        optimizer_closure()
-        if not self.guard.check(self.trainable_parameters()):
-            optimizer.zero_grad(set_to_none=True)
-            return
-        start = time.perf_counter()
-        optimizer.step()
-        self._add_time("optimizer", time.perf_counter() - start)
-
-    def trainable_parameters(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.policy.parameters() if p.requires_grad]
-
-    def configure_optimizers(self):
-        params = self.trainable_parameters()
-        optimizer = (
-            self.optimizer_factory(params) if self.optimizer_factory
-            else torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0)
-        )
-        if self.scheduler_factory is None:
-            return optimizer
-        scheduler = self.scheduler_factory(optimizer)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-    def _add_time(self, phase: str, seconds: float) -> None:
-        self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds
 
     # ---------------------------------------------------------------- logging
     def on_train_epoch_start(self) -> None:
@@ -276,26 +232,3 @@ class GRPOModule(L.LightningModule):
         sampling = self.trainer.datamodule.sampling
         with self.generation_context() as model:
             return generate(model, self.tokenizer, prompt_ids, prompt_mask, sampling, greedy=True).texts
-
-    # ------------------------------------------------------------- checkpoint
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        # Frozen base weights are reloaded from their source; saving them again
-        # would make every checkpoint as large as the model.
-        trainable = {name for name, p in self.named_parameters() if p.requires_grad}
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
-        checkpoint["nonfinite_guard"] = self.guard.state_dict()
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self.configure_model()
-        self.guard.load_state_dict(checkpoint.get("nonfinite_guard", {}))
-
-    def export_adapter(self, path: str | Path) -> Path:
-        """Write the trained policy as a standard PEFT adapter folder (+ tokenizer).
-
-        ``PeftModel.from_pretrained(base_model, path)`` reloads it. Under full
-        fine-tuning the whole model is written instead.
-        """
-        path = Path(path)
-        self.policy.save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
-        return path

@@ -1,6 +1,8 @@
 """Built-in tasks generated on the fly: no download, seedable, verifiable.
 
 ``arithmetic``: "What is 47 + 38?" with the exact answer (+, -, x).
+``arithmetic_preferences``: the same questions as preference pairs for DPO,
+the worked answer ("47 + 38 = 85") chosen and a plausible slip rejected.
 ``countdown``: reach a target with the given numbers, each used once, with
 ``+ - * /``; the ``countdown`` reward checks the expression with a safe
 evaluator. Each row also carries one valid solution as ``answer``.
@@ -26,6 +28,51 @@ def arithmetic(n: int, seed: int, digits: int = 2, ops: str = "+-*") -> list[dic
     Returns:
         Rows with ``prompt`` and ``answer`` (the exact integer result as text).
     """
+    return [
+        {"prompt": f"What is {a} {op} {b}?", "answer": str(_OPS[op](a, b))}
+        for a, op, b in _operands(n, seed, digits, ops)
+    ]
+
+
+def arithmetic_preferences(n: int, seed: int, digits: int = 2, ops: str = "+-*") -> list[dict]:
+    """Generate ``n`` arithmetic preference pairs: a right and a wrong answer.
+
+    The questions are those of :func:`arithmetic` with the same arguments.
+    The rejected answer is a slip a model plausibly makes (off by one, off by
+    ten, the last two digits swapped), so the pair differs only in the result.
+
+    Args:
+        n: Number of rows.
+        seed: Random seed; the same seed gives the same rows.
+        digits: Digits per operand (2 gives 10..99).
+        ops: Which of ``+ - *`` to draw from.
+
+    Returns:
+        Rows with ``prompt``, ``chosen``, ``rejected`` and ``answer``.
+    """
+    rng = random.Random(seed + 1)  # a stream of its own: questions stay those of `arithmetic`
+    rows = []
+    for a, op, b in _operands(n, seed, digits, ops):
+        right = _OPS[op](a, b)
+        rows.append({
+            "prompt": f"What is {a} {op} {b}?",
+            "chosen": f"{a} {op} {b} = {right}",
+            "rejected": f"{a} {op} {b} = {_slip(right, rng)}",
+            "answer": str(right),
+        })
+    return rows
+
+
+def _slip(right: int, rng: random.Random) -> int:
+    """A wrong result close to ``right``: +-1, +-10, or its last two digits swapped."""
+    sign, digits = ("-" if right < 0 else ""), str(abs(right))
+    swapped = int(sign + digits[:-2] + digits[-1] + digits[-2]) if len(digits) > 1 else right
+    candidates = {right + 1, right - 1, right + 10, right - 10, swapped} - {right}
+    return rng.choice(sorted(candidates))
+
+
+def _operands(n: int, seed: int, digits: int, ops: str) -> list[tuple[int, str, int]]:
+    """``n`` distinct ``(a, op, b)`` triples with ``digits``-digit operands."""
     bad = set(ops) - set(_OPS)
     if not ops or bad:
         raise ValueError(f"task ops={ops!r}; expected a non-empty string drawn from '+-*'.")
@@ -36,15 +83,11 @@ def arithmetic(n: int, seed: int, digits: int = 2, ops: str = "+-*") -> list[dic
     if n > capacity:
         raise ValueError(f"arithmetic task: n={n} exceeds the {capacity} distinct questions.")
     rng = random.Random(seed)
-    seen: set[tuple[int, str, int]] = set()
-    rows = []
-    while len(rows) < n:
+    seen: dict[tuple[int, str, int], None] = {}  # insertion-ordered set
+    while len(seen) < n:
         a, b, op = rng.randint(low, high), rng.randint(low, high), rng.choice(ops)
-        if (a, op, b) in seen:
-            continue
-        seen.add((a, op, b))
-        rows.append({"prompt": f"What is {a} {op} {b}?", "answer": str(_OPS[op](a, b))})
-    return rows
+        seen.setdefault((a, op, b))
+    return list(seen)
 
 
 def countdown(n: int, seed: int, count: int = 3, max_number: int = 20) -> list[dict]:
@@ -92,4 +135,8 @@ def _random_expression(numbers: list[int], rng: random.Random) -> tuple[str, flo
     return expression, value
 
 
-TASKS: dict[str, Callable[..., list[dict]]] = {"arithmetic": arithmetic, "countdown": countdown}
+TASKS: dict[str, Callable[..., list[dict]]] = {
+    "arithmetic": arithmetic,
+    "arithmetic_preferences": arithmetic_preferences,
+    "countdown": countdown,
+}

@@ -1,0 +1,133 @@
+"""DPOModule: Direct Preference Optimization on the GRPO policy machinery.
+
+When preference pairs exist instead of a verifier, DPO optimises the same
+KL-regularised objective as GRPO without sampling: each step scores the
+chosen and rejected replies under the policy and under the reference, and
+:func:`lit_grpo.objectives.dpo_loss` does the rest. Loading, (Q)LoRA, the
+reference, the optimizer and checkpoints come from :class:`PolicyModule`.
+
+Choices, on purpose:
+
+* The reference is the policy with its adapter disabled (a frozen copy under
+  full fine-tuning), scored once per batch without grad, before the policy's
+  own forward: no second model, no precomputed reference pass over the data.
+* Chosen and rejected rows share one forward pass (2B rows).
+* Log-probs are at temperature 1: DPO scores the data, it does not sample.
+"""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torchmetrics import MeanMetric
+from tqdm.auto import tqdm
+
+from lit_grpo.objectives import LossOutput, dpo_loss, sequence_logps
+from lit_grpo.policy import PolicySpec, completion_logprobs
+from lit_grpo.policy_module import PolicyModule
+
+
+class DPOModule(PolicyModule):
+    """Direct Preference Optimization (sigmoid loss) for a causal language model.
+
+    Args:
+        policy: Which model to train, its adapter, quantization and dtype.
+        beta: Inverse temperature of the implicit reward
+            ``beta * (log pi - log ref)``; larger keeps the policy closer to the
+            reference.
+        label_smoothing: Assumed probability that a pair's labels are flipped
+            (conservative DPO); 0 is plain DPO.
+        optimizer: Optimizer factory over the trainable parameters; ``None``
+            gives AdamW with lr 1e-4 and no weight decay.
+        scheduler: Optional learning-rate scheduler factory (stepped per
+            optimizer step).
+        max_nonfinite_steps: Consecutive optimizer steps with a NaN/inf
+            gradient that are skipped before training stops with an error.
+        progress: Print the validation metrics before training and after each
+            validation.
+    """
+
+    def __init__(
+        self,
+        policy: PolicySpec | None = None,
+        beta: float = 0.1,
+        label_smoothing: float = 0.0,
+        optimizer: OptimizerCallable | None = None,
+        scheduler: LRSchedulerCallable | None = None,
+        max_nonfinite_steps: int = 3,
+        progress: bool = True,
+    ) -> None:
+        super().__init__(policy, optimizer, scheduler, max_nonfinite_steps)
+        self.save_hyperparameters(ignore=["optimizer", "scheduler"])
+        if not beta > 0:
+            raise ValueError(f"model.beta={beta}; expected > 0.")
+        if not 0 <= label_smoothing < 0.5:
+            raise ValueError(f"model.label_smoothing={label_smoothing}; expected a value in [0, 0.5).")
+
+    def preference_loss(self, batch: dict[str, torch.Tensor]) -> LossOutput:
+        """DPO loss and metrics of a batch of 2B rows, chosen first."""
+        with torch.no_grad(), self.reference_model() as reference:
+            ref_logps = self.sequence_logps(reference, batch)  # [2B]
+        policy_logps = self.sequence_logps(self.policy, batch)  # [2B]
+        policy_chosen, policy_rejected = policy_logps.chunk(2)  # [B], [B]
+        ref_chosen, ref_rejected = ref_logps.chunk(2)  # [B], [B]
+        return dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected,
+                        beta=self.hparams.beta, label_smoothing=self.hparams.label_smoothing)
+
+    def sequence_logps(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Summed log-prob of each row's completion under ``model``: ``[2B]``."""
+        logprobs, _ = completion_logprobs(model, **batch, temperature=1.0)  # [2B, C]
+        return sequence_logps(logprobs, batch["completion_mask"])
+
+    # --------------------------------------------------------------- training
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        result = self.preference_loss(batch)
+        pairs = batch["completion_ids"].shape[0] // 2
+        self.log_dict({f"train/{k}": v for k, v in result.metrics.items()}, on_step=False, on_epoch=True,
+                      sync_dist=True, batch_size=pairs)
+        self.log("train/loss", result.loss.detach(), on_step=True, on_epoch=True, prog_bar=True,
+                 sync_dist=True, batch_size=pairs)
+        return result.loss
+
+    # ------------------------------------------------------------- validation
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        result = self.preference_loss(batch)
+        metrics = {"val/loss": result.loss, **{f"val/{k}": v for k, v in result.metrics.items()}}
+        self.log_dict(metrics, on_step=False, on_epoch=True, sync_dist=True,
+                      batch_size=batch["completion_ids"].shape[0] // 2)
+
+    def on_train_start(self) -> None:
+        # Lightning's sanity check logs nothing, so the "before" figures are taken here.
+        if self.global_step != 0 or not getattr(self.trainer.datamodule, "val_rows", None):
+            return
+        before = self.evaluate()
+        for logger in self.loggers:
+            logger.log_metrics(before, step=0)
+        self._print("before training", before)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Validation metrics of the current policy, averaged over all pairs."""
+        was_training = self.policy.training
+        self.policy.eval()
+        means: dict[str, MeanMetric] = {}
+        for batch in self.trainer.datamodule.val_dataloader():
+            batch = {k: v.to(self.device) for k, v in batch.items()}
+            result = self.preference_loss(batch)
+            pairs = batch["completion_ids"].shape[0] // 2
+            for name, value in {"loss": result.loss, **result.metrics}.items():
+                means.setdefault(name, MeanMetric().to(self.device)).update(value, pairs)
+        self.policy.train(was_training)
+        return {f"val/{k}": float(m.compute()) for k, m in means.items()}
+
+    def on_train_epoch_end(self) -> None:
+        # The epoch's validation has run by now, and its metrics are reduced.
+        metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("val/")}
+        if metrics:
+            self._print(f"epoch {self.current_epoch}", metrics)
+
+    def _print(self, when: str, metrics: dict[str, float]) -> None:
+        if self.global_rank != 0 or not self.hparams.progress:
+            return
+        shown = ("val/loss", "val/rewards/accuracy", "val/rewards/margin", "val/logps/accuracy")
+        tqdm.write(f"{when}: " + " | ".join(f"{k} {metrics[k]:.3f}" for k in shown if k in metrics))
