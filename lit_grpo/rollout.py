@@ -137,9 +137,16 @@ def generate(
     *,
     greedy: bool = False,
     repeat: int | None = None,
+    generator: torch.Generator | None = None,
     progress=None,
 ) -> Rollout:
-    """Sample completions for each prompt.
+    """Sample completions for each prompt with a KV cache.
+
+    Our own decode loop rather than ``model.generate``: rows that finished
+    (EOS) leave the decode batch, so late steps only pay for the rows still
+    writing, and sampling draws from an explicit ``generator`` (reproducible
+    without touching the global RNG). It only calls ``model(...)``, so it works
+    on any causal LM, peft-wrapped or FSDP-sharded.
 
     Args:
         model: The policy (peft or plain HF causal LM, possibly FSDP-sharded).
@@ -150,60 +157,77 @@ def generate(
         greedy: Decode greedily (validation) instead of sampling.
         repeat: Completions per prompt; defaults to ``sampling.group_size``
             (1 when ``greedy``). Rows of one prompt are contiguous.
+        generator: Source of randomness for sampling (default: global RNG).
         progress: A tqdm bar advanced once per decoding step, or ``None``.
 
     Returns:
         The :class:`Rollout` for ``B * repeat`` rows.
     """
-    from transformers import GenerationConfig
-
     repeat = repeat or (1 if greedy else sampling.group_size)
     device = next(model.parameters()).device
     prompt_ids = prompt_ids.repeat_interleave(repeat, 0).to(device)  # [N, P]
     prompt_mask = prompt_mask.repeat_interleave(repeat, 0).to(device)  # [N, P]
-    eos = eos_ids(tokenizer, model)
-    config = GenerationConfig(
-        do_sample=not greedy,
-        temperature=sampling.temperature if not greedy else None,
-        top_p=sampling.top_p if not greedy else None,
-        top_k=sampling.top_k if not greedy else None,
-        max_new_tokens=sampling.max_new_tokens,
-        eos_token_id=eos,
-        pad_token_id=tokenizer.pad_token_id,
-        use_cache=True,
-    )
+    eos = torch.tensor(eos_ids(tokenizer, model), device=device)
     was_training = model.training
     model.eval()
     start = time.perf_counter()
     try:
-        sequences = model.generate(
-            input_ids=prompt_ids,
-            attention_mask=prompt_mask,
-            generation_config=config,
-            streamer=_StepCounter(progress) if progress is not None else None,
-        )  # [N, P + C]
+        completion_ids = _decode(model, prompt_ids, prompt_mask, sampling, greedy, eos,
+                                 tokenizer.pad_token_id, generator, progress)  # [N, C]
     finally:
         model.train(was_training)
         if progress is not None:
             progress.close()
     seconds = time.perf_counter() - start
-    completion_ids = sequences[:, prompt_ids.shape[1] :]  # [N, C]
-    mask, truncated = completion_mask(completion_ids, eos)
+    mask, truncated = completion_mask(completion_ids, eos.tolist())
     completion_ids = completion_ids.masked_fill(mask == 0, tokenizer.pad_token_id)
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     return Rollout(prompt_ids, prompt_mask, completion_ids, mask, truncated, texts, seconds)
 
 
-class _StepCounter:
-    """A generate() streamer that only advances a progress bar per decoding step."""
+def _decode(model, prompt_ids, prompt_mask, sampling, greedy, eos, pad, generator, progress) -> Tensor:
+    from transformers import DynamicCache
 
-    def __init__(self, bar) -> None:
-        self.bar, self.prompt_seen = bar, False
+    n = prompt_ids.shape[0]
+    tokens = torch.full((n, sampling.max_new_tokens), pad, dtype=torch.long, device=prompt_ids.device)
+    active = torch.arange(n, device=prompt_ids.device)  # rows still writing
+    attention = prompt_mask  # [n_active, P + t]
+    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # [N, P]: left padding shifts starts
+    cache = DynamicCache()
+    out = model(input_ids=prompt_ids, attention_mask=attention, position_ids=positions,
+                cache=cache, use_cache=True, logits_to_keep=1)
+    next_position = positions[:, -1] + 1  # [n_active]
+    for step in range(sampling.max_new_tokens):
+        token = _next_token(out.logits[:, -1], sampling, greedy, generator)  # [n_active]
+        tokens[active, step] = token
+        if progress is not None:
+            progress.update(1)
+        alive = ~torch.isin(token, eos)
+        if step == sampling.max_new_tokens - 1 or not alive.any():
+            break
+        if not alive.all():  # finished rows leave the batch, and their cache with them
+            keep = alive.nonzero().squeeze(-1)
+            active, token, attention, next_position = active[keep], token[keep], attention[keep], next_position[keep]
+            cache.batch_select_indices(keep)
+        attention = torch.cat([attention, attention.new_ones(len(active), 1)], dim=1)
+        out = model(input_ids=token[:, None], attention_mask=attention, position_ids=next_position[:, None],
+                    cache=cache, use_cache=True)
+        next_position = next_position + 1
+    return tokens
 
-    def put(self, value: Tensor) -> None:
-        if self.prompt_seen:  # the first call carries the prompt, not a new token
-            self.bar.update(1)
-        self.prompt_seen = True
 
-    def end(self) -> None:
-        self.bar.refresh()
+def _next_token(logits: Tensor, sampling: SamplingSpec, greedy: bool, generator) -> Tensor:
+    """Pick the next token from ``[n, V]`` logits: argmax, or sample after top-k/top-p."""
+    if greedy:
+        return logits.argmax(-1)
+    logits = logits.float() / sampling.temperature  # [n, V]
+    if sampling.top_k:
+        kth = logits.topk(min(sampling.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        # drop a token when the mass before it already reaches top_p (the top token always stays)
+        drop = (cumulative - sorted_logits.softmax(-1)) >= sampling.top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
