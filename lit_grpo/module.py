@@ -27,6 +27,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torchmetrics import MeanMetric
 from tqdm.auto import tqdm
 
+from lit_grpo.distributed import gathered
 from lit_grpo.objectives import grpo_loss
 from lit_grpo.policy import PolicySpec, completion_logprobs
 from lit_grpo.policy_module import PolicyModule
@@ -98,8 +99,9 @@ class GRPOModule(PolicyModule):
 
     @contextlib.contextmanager
     def generation_context(self):
-        """Yield the model to sample from (strategies may gather weights here)."""
-        yield self.policy
+        """Yield the model to sample from, FSDP2 shards gathered once for all decoding steps."""
+        with gathered(self.policy):
+            yield self.policy
 
     def show_progress(self, description: str, total: int | None = None):
         """A progress bar (decoding steps) for a rollout phase on rank 0, or ``None``."""

@@ -91,6 +91,12 @@ class PolicySpec:
         return _DTYPES[self.dtype]
 
 
+# Checkpoints keep these specs in their hyper-parameters, and resuming reads
+# them with torch.load(weights_only=True) (torch >= 2.6's default, which
+# Lightning passes through), which refuses classes it was not told about.
+torch.serialization.add_safe_globals([PolicySpec, LoraSpec])
+
+
 def cache_root(cache_dir: str | None = None) -> Path:
     """Folder where lit_grpo keeps converted models."""
     if cache_dir:

@@ -19,6 +19,7 @@ import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
+from lit_grpo.distributed import shard
 from lit_grpo.policy import PolicySpec, build_policy, load_tokenizer
 from lit_grpo.training_guard import NonFiniteGuard
 
@@ -53,15 +54,23 @@ class PolicyModule(L.LightningModule):
         self.reference: torch.nn.Module | None = None
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.guard = NonFiniteGuard(max_nonfinite_steps)
-        self.strict_loading = False  # checkpoints hold only the trainable weights
+        # Checkpoints hold only the trainable weights: the frozen base is reloaded
+        # from its source. Filtering state_dict() itself, not just the saved dict,
+        # keeps sharded (DCP) resume under ModelParallelStrategy working too: it
+        # loads exactly the keys this module's state_dict() lists.
+        self.register_state_dict_post_hook(_keep_trainable)
+        self.strict_loading = False
         self.phase_seconds: dict[str, float] = {}
 
     # ------------------------------------------------------------------ model
     def configure_model(self) -> None:
-        """Load the policy once (Lightning may call this more than once)."""
-        if self.policy is not None:
-            return
-        self.policy, self.reference = build_policy(self.spec, need_reference=self.needs_reference)
+        """Load the policy once (Lightning may call this more than once); shard it under FSDP2."""
+        if self.policy is None:
+            self.policy, self.reference = build_policy(self.spec, need_reference=self.needs_reference)
+        if self.device_mesh is not None:  # ModelParallelStrategy
+            for model in (self.policy, self.reference):
+                if model is not None:
+                    shard(model, self.device_mesh)
 
     @property
     def needs_reference(self) -> bool:
@@ -113,10 +122,6 @@ class PolicyModule(L.LightningModule):
 
     # ------------------------------------------------------------- checkpoint
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        # Frozen base weights are reloaded from their source; saving them again
-        # would make every checkpoint as large as the model.
-        trainable = {name for name, p in self.named_parameters() if p.requires_grad}
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
         checkpoint["nonfinite_guard"] = self.guard.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -134,3 +139,9 @@ class PolicyModule(L.LightningModule):
         self.tokenizer.save_pretrained(path)
         return path
 
+
+def _keep_trainable(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """``state_dict`` post-hook: drop everything but trainable parameters."""
+    trainable = {prefix + name for name, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
+    for key in [k for k in state_dict if k.startswith(prefix) and k not in trainable]:
+        del state_dict[key]

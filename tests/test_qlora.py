@@ -1,0 +1,86 @@
+"""QLoRA on CPU: a 4-bit NF4 base with a LoRA adapter trains, and its reference
+is the same 4-bit base with the adapter disabled.
+
+bitsandbytes >= 0.45 runs 4-bit on CPU (a slow path); where it cannot, the
+tests skip.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lit_grpo.objectives import grpo_loss
+from lit_grpo.policy import LoraSpec, PolicySpec, build_policy, completion_logprobs, load_base_model
+
+
+def _bitsandbytes_4bit_works() -> bool:
+    try:
+        import bitsandbytes.functional as F
+
+        F.quantize_4bit(torch.randn(64, 64), quant_type="nf4")
+        return True
+    except Exception:  # missing package, or no CPU backend in this build
+        return False
+
+
+pytestmark = pytest.mark.skipif(not _bitsandbytes_4bit_works(), reason="bitsandbytes 4-bit does not run here")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tiny_model_dir) -> str:
+    """The tiny test Llama, twice as wide: bitsandbytes' CPU 4-bit kernels pack
+    64x32 quantization blocks, so every linear layer needs 64 | inputs, 32 | outputs."""
+    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    config.hidden_size, config.intermediate_size, config.head_dim, config.num_key_value_heads = 64, 128, 16, 4
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("tiny-llama-64")
+    LlamaForCausalLM(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(folder)
+    return str(folder)
+
+
+def _batch(seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    prompt_ids = torch.randint(10, 200, (4, 5), generator=generator)  # [N, P]
+    completion_ids = torch.randint(10, 200, (4, 6), generator=generator)  # [N, C]
+    return {"prompt_ids": prompt_ids, "prompt_mask": torch.ones_like(prompt_ids),
+            "completion_ids": completion_ids, "completion_mask": torch.ones_like(completion_ids)}
+
+
+def _logprobs(model, batch) -> torch.Tensor:
+    with torch.no_grad():
+        return completion_logprobs(model, **batch, temperature=1.0)[0]
+
+
+def test_qlora_step_trains_the_adapter_and_the_reference_is_the_4bit_base(model_dir):
+    spec = PolicySpec(name_or_path=model_dir, load_in_4bit=True, lora=LoraSpec(r=4, alpha=8))
+    policy, reference = build_policy(spec)
+    assert reference is None  # the reference is the adapter-disabled policy, no copy
+    adapter = {n: p.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}
+    assert adapter and all("lora_" in n for n in adapter)
+
+    batch = _batch()
+    logprobs = completion_logprobs(policy, **batch, temperature=1.0)[0]  # [N, C]
+    # Snapshot after the first forward: bitsandbytes' CPU path repacks the 4-bit
+    # weights into its own layout the first time they are used.
+    quantized = {n: p.detach().clone() for n, p in policy.named_parameters() if p.dtype == torch.uint8}
+    assert quantized  # the base linear layers really are packed 4-bit weights
+    advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])  # [N]
+    loss = grpo_loss(logprobs, logprobs.detach(), advantages, batch["completion_mask"], beta=0.0).loss
+    loss.backward()
+    torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2).step()
+
+    after = dict(policy.named_parameters())
+    assert any(not torch.equal(after[n], adapter[n]) for n in adapter)
+    for name, packed in quantized.items():
+        assert torch.equal(after[name], packed), name
+
+    base = load_base_model(spec)  # a fresh 4-bit base, no adapter at all
+    with policy.disable_adapter():
+        reference_logprobs = _logprobs(policy, batch)
+    torch.testing.assert_close(reference_logprobs, _logprobs(base, batch), rtol=0, atol=0)
+    # ...while the trained adapter does change the policy.
+    assert not torch.allclose(_logprobs(policy, batch), reference_logprobs)
