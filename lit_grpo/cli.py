@@ -10,9 +10,14 @@ a PreferenceDataModule instead (``lit-grpo dpo --help``);
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.plugins.io import CheckpointIO
 
+from lit_grpo.checkpointing import AtomicCheckpointIO
 from lit_grpo.data import OnPolicyDataModule
 from lit_grpo.module import GRPOModule
 
@@ -23,6 +28,27 @@ class PolicyCli(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument("--export_adapter", type=str | None, default=None,
                             help="After fit, write the trained adapter (PEFT format) to this folder.")
+
+    def instantiate_trainer(self, **kwargs) -> Trainer:
+        """The Trainer, crash-safe by default: atomic checkpoint files and a ``last.ckpt``.
+
+        Added only where the config names none of its own: an
+        :class:`~lit_grpo.checkpointing.AtomicCheckpointIO` plugin, and a
+        ``ModelCheckpoint(save_last=True)`` in ``<default_root_dir>/checkpoints``
+        (not under the logger's per-run version folder, which a resumed run does
+        not share), so ``--ckpt_path last`` finds the killed run's checkpoint.
+        """
+        config = self._get(self.config_init, "trainer", default={})
+        plugins = _as_list(config.get("plugins"))
+        if not any(isinstance(p, CheckpointIO) for p in plugins):
+            kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
+        callbacks = _as_list(config.get("callbacks"))
+        if config.get("enable_checkpointing") is not False and not any(
+            isinstance(c, ModelCheckpoint) for c in callbacks
+        ):
+            root = Path(config.get("default_root_dir") or Path.cwd())
+            kwargs["callbacks"] = [*callbacks, ModelCheckpoint(dirpath=root / "checkpoints", save_last=True)]
+        return super().instantiate_trainer(**kwargs)
 
     def after_fit(self) -> None:
         path = self.config.get(self.subcommand, {}).get("export_adapter")
@@ -38,6 +64,10 @@ class GRPOCli(PolicyCli):
         super().add_arguments_to_parser(parser)
         # Each epoch is one rollout round: the DataModule must regenerate.
         parser.set_defaults({"trainer.reload_dataloaders_every_n_epochs": 1})
+
+
+def _as_list(value) -> list:
+    return [] if value is None else list(value) if isinstance(value, list) else [value]
 
 
 def main(args: list[str] | None = None) -> None:

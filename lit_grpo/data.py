@@ -132,6 +132,20 @@ class OnPolicyDataModule(L.LightningDataModule):
                 )
             self.train_rows, self.val_rows = rows[hp.val_size :], rows[: hp.val_size]
         self._check_prompt_budget()
+        self.rewards.check_columns(list(self.train_rows[0]), hp.source)
+        RewardCombiner([self.val_reward]).check_columns(list(self.val_rows[0]), hp.source)
+        self._check_prompts()
+
+    def _check_prompts(self) -> None:
+        """Chat-format and tokenize every prompt once now, so that a prompt that is too
+        long (or a tokenizer without a chat template) fails before any sampling, not
+        in the epoch that first draws it."""
+        module = self.trainer.lightning_module if self.trainer else None
+        if getattr(module, "tokenizer", None) is None:
+            return
+        rows = self.train_rows + self.val_rows
+        for start in range(0, len(rows), 512):
+            self.encode(rows[start : start + 512])
 
     def _check_prompt_budget(self) -> None:
         hp = self.hparams

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from lit_grpo.distributed import gathered
 from lit_grpo.objectives import grpo_loss
+from lit_grpo.objectives.grpo import IMPORTANCE_LEVELS, LOSS_TYPES
 from lit_grpo.policy import PolicySpec, completion_logprobs
 from lit_grpo.policy_module import PolicyModule
 from lit_grpo.rollout import generate
@@ -90,6 +91,10 @@ class GRPOModule(PolicyModule):
         for name, value in (("epsilon_low", epsilon_low), ("epsilon_high", epsilon_high)):
             if value < 0:
                 raise ValueError(f"model.{name}={value}; expected >= 0.")
+        for name, value, choices in (("loss_type", loss_type, LOSS_TYPES),
+                                     ("importance_level", importance_level, IMPORTANCE_LEVELS)):
+            if value not in choices:
+                raise ValueError(f"model.{name}={value!r}; expected one of {sorted(choices)}.")
         self.val_accuracy = MeanMetric()
 
     # ------------------------------------------------------------------ model

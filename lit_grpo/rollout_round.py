@@ -11,6 +11,7 @@ rows (a DDP requirement).
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,7 @@ def collect_rollout(datamodule, module, rank: int, world: int) -> RolloutResult:
         if datamodule.trainer.strategy.reduce(missing, reduce_op="sum") == 0:
             break
     groups = (kept + spare)[:local]
+    _warn_if_all_empty(groups, datamodule.trainer.current_epoch)
     rows, stats = _assemble(groups, module, datamodule, timings)
     stats.update(_rollout_stats(groups, rows, G))
     stats["rollout/tokens_per_s"] = generated_tokens / max(timings["generate"], 1e-9)
@@ -68,6 +70,21 @@ def collect_rollout(datamodule, module, rank: int, world: int) -> RolloutResult:
     stats.update({f"time/{name}": seconds for name, seconds in timings.items()})
     samples = [(g.prompt, g.texts[0], float(g.rewards[0])) for g in groups[:2]]
     return RolloutResult(rows, stats, samples)
+
+
+def _warn_if_all_empty(groups: list[_Group], epoch: int) -> None:
+    # Not an error: a policy can pass through this and recover. But when it happens
+    # from the first epoch on, the chat template or the EOS tokens are usually wrong.
+    if any(text.strip() for group in groups for text in group.texts):
+        return
+    warnings.warn(
+        f"epoch {epoch}: all {sum(len(g.texts) for g in groups)} completions are empty (the policy "
+        "ended every answer at once), so the rewards cannot tell them apart and only the KL term "
+        "trains. Expected some text; check policy.name_or_path's chat template and EOS tokens, "
+        "data.prompt_template and sampling.temperature.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 
 def _sample_groups(datamodule, module, prompts: list[dict], timings: dict, round_index: int):

@@ -35,6 +35,8 @@ def load_rows(source: str, split: str, task_args: dict | None, seed: int, size: 
     if path.suffix in _LOCAL_FORMATS:
         if not path.is_file():
             raise FileNotFoundError(f"data.source={source!r}: no such file.")
+        if path.stat().st_size == 0:  # the readers' own error for this is an empty message
+            raise ValueError(f"data.source={source!r} is an empty file; expected a non-empty dataset.")
         try:
             dataset = datasets.load_dataset(_LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
         except Exception as error:  # noqa: BLE001 - the reader's own error is appended

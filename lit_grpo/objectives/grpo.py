@@ -86,6 +86,9 @@ _LOSS_TYPES: dict[str, _Aggregation] = {
     "dapo": _Aggregation(_sum_over_norm, "num_items"),
     "dr_grpo": _Aggregation(_sum_over_rows_times_norm, "max_completion_length"),
 }
+# The accepted names, for callers that validate a config before any compute.
+LOSS_TYPES = tuple(_LOSS_TYPES)
+IMPORTANCE_LEVELS = tuple(_IMPORTANCE_LEVELS)
 
 
 def _check_choice(name: str, value: str, table: dict) -> None:

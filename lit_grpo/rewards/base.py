@@ -37,6 +37,8 @@ class Reward(abc.ABC):
     """
 
     default_name: str = "reward"
+    # Dataset columns the reward reads: checked against the data before any sampling.
+    required_columns: tuple[str, ...] = ()
 
     def __init__(self, weight: float = 1.0, name: str | None = None) -> None:
         if not math.isfinite(weight):
@@ -138,6 +140,17 @@ class RewardCombiner:
         if duplicates:
             raise ValueError(f"Reward names must be unique, got {duplicates} twice; set `name`")
         self._warned: set[str] = set()
+
+    def check_columns(self, available: Sequence[str], source: str) -> None:
+        """Raise before any sampling if a reward needs a dataset column that ``source`` lacks."""
+        for name, fn, _ in self.entries:
+            missing = [c for c in getattr(fn, "required_columns", ()) if c not in available]
+            if missing:
+                raise ValueError(
+                    f"Reward {name!r} needs the dataset column(s) {missing}, which data.source={source!r} "
+                    f"does not have (available: {sorted(available)}); map them with data.columns, "
+                    f"e.g. {{{missing[0]!r}: 'your_column'}}, or drop the reward."
+                )
 
     @property
     def names(self) -> list[str]:

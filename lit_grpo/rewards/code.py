@@ -137,6 +137,7 @@ class CodeUnitTests(Reward):
     """
 
     default_name = "code_unit_tests"
+    required_columns = ("tests",)
 
     def __init__(
         self,

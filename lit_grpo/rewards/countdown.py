@@ -99,6 +99,7 @@ class Countdown(Reward):
     """
 
     default_name = "countdown"
+    required_columns = ("numbers", "target")
 
     def __init__(self, weight: float = 1.0, name: str | None = None) -> None:
         super().__init__(weight, name)

@@ -143,6 +143,7 @@ class Accuracy(Reward):
     """
 
     default_name = "accuracy"
+    required_columns = ("answer",)
 
     def __init__(self, weight: float = 1.0, name: str | None = None) -> None:
         super().__init__(weight, name)
