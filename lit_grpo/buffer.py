@@ -75,6 +75,29 @@ class RolloutBuffer(IterableDataset):
             yield batch
 
 
+class OnDemand(IterableDataset):
+    """Builds its :class:`RolloutBuffer` on first iteration; its length is known up front.
+
+    Args:
+        build: Runs the rollout and returns the buffer, or ``None`` when this
+            epoch has nothing left to train on.
+        length: Micro-batches the buffer will hold (for progress bars and
+            Lightning's epoch bookkeeping).
+    """
+
+    def __init__(self, build, length: int) -> None:
+        self.build, self.length = build, length
+        self.buffer: RolloutBuffer | None = None
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self):
+        if self.buffer is None:
+            self.buffer = self.build()
+        return iter(self.buffer if self.buffer is not None else ())
+
+
 def _trim(batch: dict[str, Tensor]) -> dict[str, Tensor]:
     """Drop columns that are padding in every row of a micro-batch.
 

@@ -22,7 +22,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from lit_grpo.buffer import RolloutBuffer
+from lit_grpo.buffer import OnDemand, RolloutBuffer
 from lit_grpo.rewards import Accuracy, Format, Reward, RewardCombiner
 from lit_grpo.rollout import SamplingSpec, encode_prompts
 from lit_grpo.rollout_round import collect_rollout
@@ -108,6 +108,7 @@ class OnPolicyDataModule(L.LightningDataModule):
             raise ValueError(f"data.prompt_template={prompt_template!r} must contain '{{prompt}}'.")
         self.position = 0  # next unused prompt in the current pass
         self.passes = 0  # completed passes over the training prompts
+        self.rollout_epoch = -1  # last epoch whose rollout consumed prompts
         self.train_rows: list[dict] = []
         self.val_rows: list[dict] = []
         self.last_stats: dict[str, float] = {}
@@ -201,14 +202,32 @@ class OnPolicyDataModule(L.LightningDataModule):
 
     # ---------------------------------------------------------------- loaders
     def train_dataloader(self) -> DataLoader:
+        # The rollout runs when the loader is first iterated, not here: Lightning
+        # may ask for a loader it never iterates (on resume it asks once for the
+        # finished epoch and once for the next), and the epoch number is only
+        # right at iteration time.
+        rows = self.hparams.prompts_per_epoch // self.trainer.world_size * self.sampling.group_size
+        batches = self.hparams.num_iterations * rows // self.hparams.batch_size
+        return DataLoader(OnDemand(self.rollout_buffer, batches), batch_size=None)
+
+    def rollout_buffer(self) -> RolloutBuffer | None:
+        """Run this epoch's rollout round and wrap it as micro-batches.
+
+        Returns ``None`` for an epoch whose rollout already ran and was trained
+        on: a run resumed from an end-of-epoch checkpoint first peeks at the
+        finished epoch's loader, and must not consume prompts for it again.
+        """
         trainer = self.trainer
+        if trainer.current_epoch <= self.rollout_epoch:
+            return None
+        self.rollout_epoch = trainer.current_epoch
         module = trainer.lightning_module
         rank, world = trainer.global_rank, trainer.world_size
         seed = hash((self.hparams.seed, trainer.current_epoch, rank)) % 2**31
         torch.manual_seed(seed)  # sampling and dropout of this epoch follow from (seed, epoch, rank)
         result = collect_rollout(self, module, rank, world)
         self.last_stats, self.last_samples = result.stats, result.samples
-        buffer = RolloutBuffer(
+        return RolloutBuffer(
             result.rows,
             batch_size=self.hparams.batch_size,
             num_iterations=self.hparams.num_iterations,
@@ -217,7 +236,6 @@ class OnPolicyDataModule(L.LightningDataModule):
             token_counts=lambda t: trainer.strategy.reduce(t, reduce_op="sum"),
             temperature=self.sampling.temperature,
         )
-        return DataLoader(buffer, batch_size=None)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_rows, batch_size=self.hparams.val_batch_size, collate_fn=self.collate_val)
@@ -236,10 +254,11 @@ class OnPolicyDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
-        return {"position": self.position, "passes": self.passes}
+        return {"position": self.position, "passes": self.passes, "rollout_epoch": self.rollout_epoch}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.position, self.passes = state_dict["position"], state_dict["passes"]
+        self.rollout_epoch = state_dict.get("rollout_epoch", -1)
 
 
 def chat_prompts(tokenizer, prompts: list[str], system_prompt: str | None, prompt_template: str) -> list[str]:

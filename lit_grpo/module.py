@@ -137,6 +137,9 @@ class GRPOModule(PolicyModule):
     # --------------------------------------------------------------- training
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         hp = self.hparams
+        if batch_idx == 0:  # the epoch's rollout has just run (the loader builds it on first use)
+            stats = self.trainer.datamodule.last_stats
+            self.log_dict({k: float(v) for k, v in stats.items()}, on_step=False, on_epoch=True, sync_dist=True)
         start = time.perf_counter()
         logprobs, entropy = completion_logprobs(
             self.policy, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
@@ -178,8 +181,6 @@ class GRPOModule(PolicyModule):
     def on_train_epoch_start(self) -> None:
         self.phase_seconds = {}
         self.epoch_started = time.perf_counter()
-        stats = self.trainer.datamodule.last_stats
-        self.log_dict({k: float(v) for k, v in stats.items()}, on_step=False, on_epoch=True, sync_dist=True)
 
     def on_train_start(self) -> None:
         if self.global_step == 0 and self.trainer.datamodule.val_rows:
