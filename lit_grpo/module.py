@@ -67,6 +67,8 @@ class GRPOModule(PolicyModule):
         log_samples: Sample completions written per epoch to
             ``samples.jsonl`` in the log directory.
         progress: Show progress bars for rollout generation.
+        validate_before_training: Score the validation prompts once before the
+            first step (logged as ``val/accuracy`` at step 0), so the gain is visible.
     """
 
     def __init__(
@@ -83,6 +85,7 @@ class GRPOModule(PolicyModule):
         max_nonfinite_steps: int = 3,
         log_samples: int = 2,
         progress: bool = True,
+        validate_before_training: bool = True,
     ) -> None:
         super().__init__(policy, optimizer, scheduler, max_nonfinite_steps)
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
@@ -183,7 +186,7 @@ class GRPOModule(PolicyModule):
         self.epoch_started = time.perf_counter()
 
     def on_train_start(self) -> None:
-        if self.global_step == 0 and self.trainer.datamodule.val_rows:
+        if self.hparams.validate_before_training and self.global_step == 0 and self.trainer.datamodule.val_rows:
             self.initial_val_accuracy = self.evaluate()
             for logger in self.loggers:
                 logger.log_metrics({"val/accuracy": self.initial_val_accuracy}, step=0)
