@@ -186,6 +186,8 @@ class GRPOModule(PolicyModule):
         self.epoch_started = time.perf_counter()
 
     def on_train_start(self) -> None:
+        # A run resumed from a checkpoint taken inside an epoch skips on_train_epoch_start.
+        self.epoch_started = time.perf_counter()
         if self.hparams.validate_before_training and self.global_step == 0 and self.trainer.datamodule.val_rows:
             self.initial_val_accuracy = self.evaluate()
             for logger in self.loggers:
