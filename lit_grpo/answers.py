@@ -1,0 +1,82 @@
+"""The same prompts answered before and after training, side by side.
+
+:func:`answer_rows` answers prompt rows greedily, exactly as validation does
+(the module's ``answer``, the DataModule's ``collate_val`` and
+``score_validation``). :class:`BeforeAfterAnswers` calls it at the start and
+the end of fit, when the Trainer has loaded the policy and the prompts.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+
+
+def answer_rows(module: L.LightningModule, datamodule: L.LightningDataModule,
+                rows: list[dict]) -> tuple[list[str], list[float]]:
+    """Greedy answers to ``rows`` and their validation scores, the policy in eval mode.
+
+    The module must be attached to a Trainer (inside or after ``fit``/``validate``).
+    """
+    batch = datamodule.collate_val(rows)
+    was_training = module.training
+    module.eval()
+    try:
+        answers = module.answer(batch["prompt_ids"], batch["prompt_mask"])
+    finally:
+        module.train(was_training)
+    return answers, datamodule.score_validation(batch["rows"], answers).tolist()
+
+
+class BeforeAfterAnswers(L.Callback):
+    """Answer the first validation prompts when fit starts and when it ends.
+
+    On every rank (generation may need all ranks under FSDP); each rank keeps
+    its own copy. "Before" is the start of this fit: a resumed run's is the
+    checkpoint's policy.
+
+    Args:
+        count: How many validation prompts (the first ones) to answer.
+    """
+
+    def __init__(self, count: int = 4) -> None:
+        if count < 1:
+            raise ValueError(f"BeforeAfterAnswers count={count}; expected >= 1.")
+        self.count = count
+        self.rows: list[dict] = []
+        self.before: tuple[list[str], list[float]] = ([], [])
+        self.after: tuple[list[str], list[float]] = ([], [])
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.rows = trainer.datamodule.val_rows[: self.count]
+        self.before = answer_rows(pl_module, trainer.datamodule, self.rows)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.after = answer_rows(pl_module, trainer.datamodule, self.rows)
+
+    def table(self) -> list[dict]:
+        """One dict per prompt: ``prompt``, ``before``, ``before_score``, ``after``, ``after_score``."""
+        return [
+            {"prompt": row["prompt"], "before": before, "before_score": before_score,
+             "after": after, "after_score": after_score}
+            for row, before, before_score, after, after_score
+            in zip(self.rows, *self.before, *self.after)
+        ]
+
+    def to_markdown(self) -> str:
+        """The table as Markdown, with mean scores in the header."""
+        table = self.table()
+        if not table:
+            return "*no answers recorded: fit has not run to its end*"
+        mean = {key: sum(r[key] for r in table) / len(table) for key in ("before_score", "after_score")}
+        lines = [
+            f"| prompt | before (score {mean['before_score']:.2f}) | after (score {mean['after_score']:.2f}) |",
+            "|---|---|---|",
+        ]
+        for r in table:
+            lines.append(f"| {_cell(r['prompt'])} | {_cell(r['before'])} ({r['before_score']:g}) "
+                         f"| {_cell(r['after'])} ({r['after_score']:g}) |")
+        return "\n".join(lines)
+
+
+def _cell(text: str) -> str:
+    return text.strip().replace("|", "\\|").replace("\n", "<br>") or "(empty)"
