@@ -22,7 +22,17 @@ import torch
 from safetensors.torch import load_file
 
 
+# The tiny random model never answers the arithmetic right, so accuracy would be 0
+# everywhere, every advantage 0, and the adapter would never move: an exactness
+# test that could not fail. This reward differs between random completions.
+_REWARD = """
+def letter_share(prompts, completions, **columns):
+    return [sum(ch.isalpha() for ch in text) / max(len(text), 1) for text in completions]
+"""
+
+
 def fit_command(model_dir: str, root: Path, *extra: str) -> list[str]:
+    reward = '[{"class_path": "lit_grpo.rewards.FromCallable", "init_args": {"function": "resume_reward.letter_share"}}]'
     return [
         sys.executable, "-m", "lit_grpo.cli", "fit",
         "--seed_everything=0",
@@ -33,6 +43,7 @@ def fit_command(model_dir: str, root: Path, *extra: str) -> list[str]:
         f"--model.policy.name_or_path={model_dir}", "--model.policy.lora.r=4", "--model.progress=false",
         "--data.train_size=40", "--data.val_size=4", "--data.prompts_per_epoch=2",
         "--data.batch_size=4", "--data.sampling.group_size=4", "--data.sampling.max_new_tokens=8",
+        f"--data.rewards={reward}", "--model.optimizer=torch.optim.AdamW", "--model.optimizer.lr=0.01",
         f"--export_adapter={root / 'adapter'}",
         *extra,
     ]
@@ -51,7 +62,8 @@ def adapter(root: Path) -> dict[str, torch.Tensor]:
 
 
 def test_killed_run_resumes_to_the_same_weights(tmp_path, tiny_model_dir):
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    (tmp_path / "resume_reward.py").write_text(_REWARD)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(tmp_path)}
     straight_dir, killed_dir = tmp_path / "straight", tmp_path / "killed"
     straight = subprocess.Popen(fit_command(tiny_model_dir, straight_dir), env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -76,6 +88,7 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path, tiny_model_dir):
     assert straight.returncode == 0, straight_log[-3000:]
 
     expected, actual = adapter(straight_dir), adapter(killed_dir)
+    assert any(w.abs().max() > 0 for name, w in expected.items() if "lora_B" in name)  # it trained
     assert expected.keys() == actual.keys()
     for name in expected:
         assert torch.equal(expected[name], actual[name]), name  # bitwise, not merely close
