@@ -168,9 +168,9 @@ def test_user_built_trainer_with_own_logger_and_callbacks(tmp_path, tiny_model_d
 @pytest.mark.integration
 def test_embedded_model_trains_two_epochs(tmp_path):
     module = GRPOModule(progress=False)
-    data = OnPolicyDataModule(prompts_per_epoch=2, batch_size=8, val_size=4, train_size=20,
-                              task_args={"ops": "+"}, sampling=SamplingSpec(group_size=4, max_new_tokens=12))
-    fit = trainer(tmp_path, epochs=2)
+    data = OnPolicyDataModule(prompts_per_epoch=2, batch_size=8, val_size=2, train_size=20,
+                              task_args={"ops": "+"}, sampling=SamplingSpec(group_size=4, max_new_tokens=8))
+    fit = trainer(tmp_path, epochs=2, check_val_every_n_epoch=2)
     fit.fit(module, data)
     metrics = fit.callback_metrics
     assert torch.isfinite(metrics["train/loss"]) and 0.0 <= float(metrics["val/accuracy"]) <= 1.0
