@@ -183,17 +183,17 @@ class GRPOModule(PolicyModule):
     # ---------------------------------------------------------------- logging
     def on_train_epoch_start(self) -> None:
         self.phase_seconds = {}
-        self.epoch_started = time.perf_counter()
 
     def on_train_start(self) -> None:
-        # A run resumed from a checkpoint taken inside an epoch skips on_train_epoch_start.
-        self.epoch_started = time.perf_counter()
         if self.hparams.validate_before_training and self.global_step == 0 and self.trainer.datamodule.val_rows:
             self.initial_val_accuracy = self.evaluate()
             for logger in self.loggers:
                 logger.log_metrics({"val/accuracy": self.initial_val_accuracy}, step=0)
             if self.global_rank == 0 and self.hparams.progress:
                 tqdm.write(f"before training: val/accuracy {self.initial_val_accuracy:.3f}")
+        # The epoch clock runs from one epoch's end to the next, so it includes the
+        # rollout, which Lightning runs before on_train_epoch_start.
+        self.epoch_started = time.perf_counter()
 
     def evaluate(self) -> float:
         """Greedy accuracy on the validation prompts (all ranks share the work)."""
@@ -219,6 +219,7 @@ class GRPOModule(PolicyModule):
         summary += f" | {time.perf_counter() - self.epoch_started:.1f} s"
         if self.global_rank == 0 and self.hparams.progress:
             tqdm.write(summary)
+        self.epoch_started = time.perf_counter()
 
     def _write_samples(self) -> None:
         samples = getattr(self.trainer.datamodule, "last_samples", [])[: self.hparams.log_samples]
