@@ -30,7 +30,10 @@ the end of its optimizer step, rollout included (lit_grpo: the DataModule's
 ``rollout_buffer`` -> a Callback's ``on_train_epoch_end``, one epoch being
 one rollout; TRL: a TrainerCallback's ``on_step_begin`` -> ``on_step_end``).
 Model loading is outside the timed window; peak RSS (``ru_maxrss`` of the
-subprocess, from ``wait4``) includes it.
+subprocess, from ``wait4``) includes it. The process CPU seconds of each step
+(all threads) are reported beside the wall time: on a machine shared with
+other jobs they move less than the wall time does, and each child's line
+shows the load average before and after it.
 """
 
 from __future__ import annotations
@@ -122,7 +125,7 @@ def run_lit(s: Settings) -> dict:
         # Lightning's setup_data() already iterates the fresh loader, which runs the
         # rollout, before on_train_epoch_start: the step has to start here instead.
         def rollout_buffer(self):
-            self.rollout_started = time.perf_counter()
+            self.rollout_started = time.perf_counter(), time.process_time()
             return super().rollout_buffer()
 
     class StepTimer(L.Callback):
@@ -131,10 +134,11 @@ def run_lit(s: Settings) -> dict:
 
         def on_train_epoch_end(self, trainer, module):
             data = trainer.datamodule
-            seconds = time.perf_counter() - data.rollout_started
+            wall, cpu = data.rollout_started
             phases = {k[len("time/"):]: v for k, v in data.last_stats.items() if k.startswith("time/")}
             phases.update(getattr(module, "phase_seconds", {}))
-            self.steps.append({"seconds": seconds, "reward": data.last_stats["reward/total"],
+            self.steps.append({"seconds": time.perf_counter() - wall, "cpu_seconds": time.process_time() - cpu,
+                               "reward": data.last_stats["reward/total"],
                                "tokens": data.last_stats["completion/length_mean"] * s.rollout_size,
                                "phases": phases})
 
@@ -169,14 +173,14 @@ def run_trl(s: Settings) -> dict:
 
     class StepTimer(TrainerCallback):
         def __init__(self):
-            self.seconds: list[float] = []
+            self.seconds: list[tuple[float, float]] = []  # (wall, process CPU)
             self.logs: list[dict] = []
 
         def on_step_begin(self, args, state, control, **kwargs):
-            self.start = time.perf_counter()
+            self.start = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.seconds.append(time.perf_counter() - self.start)
+            self.seconds.append((time.perf_counter() - self.start[0], time.process_time() - self.start[1]))
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "reward" in logs:
@@ -200,8 +204,9 @@ def run_trl(s: Settings) -> dict:
         trainer.train()
     if len(timer.logs) != len(timer.seconds):
         raise RuntimeError(f"TRL logged {len(timer.logs)} steps but ran {len(timer.seconds)}.")
-    steps = [{"seconds": sec, "reward": log["reward"], "tokens": log["completions/mean_length"] * s.rollout_size}
-             for sec, log in zip(timer.seconds, timer.logs)]
+    steps = [{"seconds": wall, "cpu_seconds": cpu, "reward": log["reward"],
+              "tokens": log["completions/mean_length"] * s.rollout_size}
+             for (wall, cpu), log in zip(timer.seconds, timer.logs)]
     return {"steps": steps, "version": _version("trl")}
 
 
@@ -236,7 +241,7 @@ def benchmark(s: Settings, rounds: int) -> dict[str, dict]:
     for index in range(rounds):
         order = SYSTEMS if index % 2 == 0 else SYSTEMS[::-1]  # neither always goes first
         for system in order:
-            start = time.perf_counter()
+            start, load = time.perf_counter(), os.getloadavg()[0]
             result = run_child(system, s)
             pool = pooled[system]
             pool["steps"] += result["steps"]
@@ -244,7 +249,8 @@ def benchmark(s: Settings, rounds: int) -> dict[str, dict]:
             pool["version"] = result["version"]
             step_times = ", ".join(f"{step['seconds']:.1f}" for step in result["steps"])
             print(f"  round {index + 1} {system:<8} steps [{step_times}] s, peak RSS "
-                  f"{result['peak_rss_mib']:.0f} MiB, process {time.perf_counter() - start:.0f} s", flush=True)
+                  f"{result['peak_rss_mib']:.0f} MiB, process {time.perf_counter() - start:.0f} s, "
+                  f"load average {load:.1f} -> {os.getloadavg()[0]:.1f}", flush=True)
     return pooled
 
 
@@ -252,6 +258,7 @@ def summarize(pool: dict) -> dict:
     steps = pool["steps"]
     return {
         "step_s": statistics.median(step["seconds"] for step in steps),
+        "cpu_s": statistics.median(step["cpu_seconds"] for step in steps),
         "tokens_per_s": statistics.median(step["tokens"] / step["seconds"] for step in steps),
         "peak_rss_mib": pool["peak_rss_mib"],
         "reward": statistics.fmean(step["reward"] for step in steps),
@@ -263,15 +270,16 @@ def report(s: Settings, pooled: dict[str, dict]) -> None:
     rows = {system: summarize(pool) for system, pool in pooled.items()}
     print(f"\nrecipe {s.recipe}: {s.prompts} prompt(s) x G={s.group_size} x {s.max_new_tokens} new tokens, "
           f"{rows['lit_grpo']['steps']} steps each")
-    print("| system          | dtype    | median s/step | gen tokens/s | peak RSS MiB | mean reward |")
-    print("|-----------------|----------|---------------|--------------|--------------|-------------|")
+    print("| system          | dtype    | median s/step | CPU s/step | gen tokens/s | peak RSS MiB | mean reward |")
+    print("|-----------------|----------|---------------|------------|--------------|--------------|-------------|")
     dtypes = {"lit_grpo": s.lit_dtype, "trl": "bf16 amp" if s.trl_bf16 else "float32"}
     for system, r in rows.items():
         label = f"{system} {pooled[system]['version']}"
-        print(f"| {label:<15} | {dtypes[system]:<8} | {r['step_s']:13.2f} | {r['tokens_per_s']:12.1f} | "
+        print(f"| {label:<15} | {dtypes[system]:<8} | {r['step_s']:13.2f} | {r['cpu_s']:10.2f} | "
+              f"{r['tokens_per_s']:12.1f} | "
               f"{r['peak_rss_mib']:12.0f} | {r['reward']:11.3f} |")
     lit, trl = rows["lit_grpo"], rows["trl"]
-    print(f"lit_grpo/TRL: step time {lit['step_s'] / trl['step_s']:.2f}, "
+    print(f"lit_grpo/TRL: step time {lit['step_s'] / trl['step_s']:.2f}, CPU time {lit['cpu_s'] / trl['cpu_s']:.2f}, "
           f"tokens/s {lit['tokens_per_s'] / trl['tokens_per_s']:.2f}, "
           f"peak RSS {lit['peak_rss_mib'] / trl['peak_rss_mib']:.2f}")
     phases = _median_phases(pooled["lit_grpo"]["steps"])
