@@ -148,6 +148,11 @@ class OnPolicyDataModule(L.LightningDataModule):
         for start in range(0, len(rows), 512):
             self.encode(rows[start : start + 512])
 
+    @property
+    def prompts_per_rank(self) -> int:
+        """Prompts each rank samples per epoch (whole groups never span ranks)."""
+        return self.hparams.prompts_per_epoch // (self.trainer.world_size if self.trainer else 1)
+
     def _check_prompt_budget(self) -> None:
         hp = self.hparams
         world = self.trainer.world_size if self.trainer else 1
@@ -156,11 +161,11 @@ class OnPolicyDataModule(L.LightningDataModule):
                 f"data.prompts_per_epoch={hp.prompts_per_epoch} must divide evenly over the "
                 f"{world} ranks (each rank samples whole groups for its own prompts)."
             )
-        rollout = hp.prompts_per_epoch // world * self.sampling.group_size
+        rollout = self.prompts_per_rank * self.sampling.group_size
         if rollout % hp.batch_size:
             raise ValueError(
                 f"data.batch_size={hp.batch_size} does not divide the {rollout} completions each "
-                f"rank samples per epoch (prompts_per_epoch/world_size={hp.prompts_per_epoch // world} "
+                f"rank samples per epoch (prompts_per_epoch/world_size={self.prompts_per_rank} "
                 f"x group_size={self.sampling.group_size}); pick a divisor of {rollout}."
             )
         if not hp.repeat and hp.prompts_per_epoch > len(self.train_rows):
@@ -206,7 +211,7 @@ class OnPolicyDataModule(L.LightningDataModule):
         # may ask for a loader it never iterates (on resume it asks once for the
         # finished epoch and once for the next), and the epoch number is only
         # right at iteration time.
-        rows = self.hparams.prompts_per_epoch // self.trainer.world_size * self.sampling.group_size
+        rows = self.prompts_per_rank * self.sampling.group_size
         batches = self.hparams.num_iterations * rows // self.hparams.batch_size
         return DataLoader(OnDemand(self.rollout_buffer, batches), batch_size=None)
 
@@ -222,10 +227,10 @@ class OnPolicyDataModule(L.LightningDataModule):
             return None
         self.rollout_epoch = trainer.current_epoch
         module = trainer.lightning_module
-        rank, world = trainer.global_rank, trainer.world_size
+        rank = trainer.global_rank
         seed = hash((self.hparams.seed, trainer.current_epoch, rank)) % 2**31
         torch.manual_seed(seed)  # sampling and dropout of this epoch follow from (seed, epoch, rank)
-        result = collect_rollout(self, module, rank, world)
+        result = collect_rollout(self, module, rank)
         self.last_stats, self.last_samples = result.stats, result.samples
         return RolloutBuffer(
             result.rows,

@@ -42,10 +42,10 @@ class _Group:
     texts: list[str]
 
 
-def collect_rollout(datamodule, module, rank: int, world: int) -> RolloutResult:
+def collect_rollout(datamodule, module, rank: int) -> RolloutResult:
     """Run one epoch's rollout for this rank (see the module docstring)."""
     hp, sampling = datamodule.hparams, datamodule.sampling
-    G, local = sampling.group_size, datamodule.hparams.prompts_per_epoch // world
+    G, local = sampling.group_size, datamodule.prompts_per_rank
     timings = {"generate": 0.0, "reward": 0.0}
     kept: list[_Group] = []
     spare: list[_Group] = []
