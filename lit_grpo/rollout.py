@@ -165,40 +165,46 @@ def generate(
     """
     repeat = repeat or (1 if greedy else sampling.group_size)
     device = next(model.parameters()).device
-    prompt_ids = prompt_ids.repeat_interleave(repeat, 0).to(device)  # [N, P]
-    prompt_mask = prompt_mask.repeat_interleave(repeat, 0).to(device)  # [N, P]
+    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)  # [B, P]
     eos = torch.tensor(eos_ids(tokenizer, model), device=device)
     was_training = model.training
     model.eval()
     start = time.perf_counter()
     try:
-        completion_ids = _decode(model, prompt_ids, prompt_mask, sampling, greedy, eos,
+        completion_ids = _decode(model, prompt_ids, prompt_mask, repeat, sampling, greedy, eos,
                                  tokenizer.pad_token_id, generator, progress)  # [N, C]
     finally:
         model.train(was_training)
         if progress is not None:
             progress.close()
     seconds = time.perf_counter() - start
+    prompt_ids = prompt_ids.repeat_interleave(repeat, 0)  # [N, P]
+    prompt_mask = prompt_mask.repeat_interleave(repeat, 0)  # [N, P]
     mask, truncated = completion_mask(completion_ids, eos.tolist())
     completion_ids = completion_ids.masked_fill(mask == 0, tokenizer.pad_token_id)
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     return Rollout(prompt_ids, prompt_mask, completion_ids, mask, truncated, texts, seconds)
 
 
-def _decode(model, prompt_ids, prompt_mask, sampling, greedy, eos, pad, generator, progress) -> Tensor:
+def _decode(model, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, pad, generator, progress) -> Tensor:
+    """Token ids ``[B * repeat, max_new_tokens]``; each prompt's cache is computed once and repeated."""
     from transformers import DynamicCache
 
-    n = prompt_ids.shape[0]
+    n = prompt_ids.shape[0] * repeat
     tokens = torch.full((n, sampling.max_new_tokens), pad, dtype=torch.long, device=prompt_ids.device)
     active = torch.arange(n, device=prompt_ids.device)  # rows still writing
-    attention = prompt_mask  # [n_active, P + t]
-    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # [N, P]: left padding shifts starts
+    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]: left padding shifts starts
     cache = DynamicCache()
-    out = model(input_ids=prompt_ids, attention_mask=attention, position_ids=positions,
-                cache=cache, use_cache=True, logits_to_keep=1)
+    logits = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions,
+                   cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
+    if repeat > 1:  # the samples of one prompt share its prefill
+        cache.batch_repeat_interleave(repeat)
+        logits = logits.repeat_interleave(repeat, 0)  # [n, V]
+    attention = prompt_mask.repeat_interleave(repeat, 0)  # [n_active, P + t]
+    positions = positions.repeat_interleave(repeat, 0)
     next_position = positions[:, -1] + 1  # [n_active]
     for step in range(sampling.max_new_tokens):
-        token = _next_token(out.logits[:, -1], sampling, greedy, generator)  # [n_active]
+        token = _next_token(logits, sampling, greedy, generator)  # [n_active]
         tokens[active, step] = token
         if progress is not None:
             progress.update(1)
@@ -210,8 +216,8 @@ def _decode(model, prompt_ids, prompt_mask, sampling, greedy, eos, pad, generato
             active, token, attention, next_position = active[keep], token[keep], attention[keep], next_position[keep]
             cache.batch_select_indices(keep)
         attention = torch.cat([attention, attention.new_ones(len(active), 1)], dim=1)
-        out = model(input_ids=token[:, None], attention_mask=attention, position_ids=next_position[:, None],
-                    cache=cache, use_cache=True)
+        logits = model(input_ids=token[:, None], attention_mask=attention, position_ids=next_position[:, None],
+                       cache=cache, use_cache=True).logits[:, -1]  # [n_active, V]
         next_position = next_position + 1
     return tokens
 

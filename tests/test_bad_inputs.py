@@ -209,6 +209,17 @@ def test_unknown_loss_type(tiny_model_dir):
         GRPOModule(policy=PolicySpec(name_or_path=tiny_model_dir), loss_type="ppo")
 
 
+def test_unknown_generation_dtype(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"model.generation_dtype='int8'; expected one of \['bfloat16'"):
+        GRPOModule(policy=PolicySpec(name_or_path=tiny_model_dir), generation_dtype="int8")
+
+
+def test_generation_dtype_without_the_merged_copy(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"model.generation_dtype='bfloat16' needs model.merge_for_generation=true"):
+        GRPOModule(policy=PolicySpec(name_or_path=tiny_model_dir), generation_dtype="bfloat16",
+                   merge_for_generation=False)
+
+
 # ---------------------------------------------------------------------- CLI
 @pytest.mark.parametrize(("argument", "message"), [
     ("--data.promts_per_epoch=2", "unrecognized arguments: --data.promts_per_epoch=2"),

@@ -73,9 +73,13 @@ def test_reference_logprobs_equal_base_model(tmp_path, tiny_model_dir):
     rows = {k: v for k, v in _one_rollout(module, data).items()}
     reference = module.rollout_logprobs(rows, temperature=0.8, reference=True)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    size = data.hparams.batch_size  # the rows rollout_logprobs scores together
     with torch.no_grad():
-        expected, _ = completion_logprobs(base, rows["prompt_ids"], rows["prompt_mask"],
-                                          rows["completion_ids"], rows["completion_mask"], 0.8)
+        expected = torch.cat([
+            completion_logprobs(base, *(rows[k][i : i + size] for k in
+                                        ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")), 0.8)[0]
+            for i in range(0, len(rows["prompt_ids"]), size)
+        ])
     mask = rows["completion_mask"].bool()
     assert torch.equal(reference[mask], expected[mask])
     policy = module.rollout_logprobs(rows, temperature=0.8, reference=False)

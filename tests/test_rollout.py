@@ -1,0 +1,127 @@
+"""Decoding and scoring: our KV-cache loop against HF ``generate``, prompts shared
+by a group computed once (in decoding and in the log-prob passes), and the
+merged policy that decodes without the adapter's extra work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lit_grpo.merged import MergedPolicy, can_merge
+from lit_grpo.objectives import token_entropy, token_logprobs
+from lit_grpo.policy import _full_logits, completion_logprobs
+from lit_grpo.rollout import SamplingSpec, encode_prompts, generate
+
+
+@pytest.fixture()
+def tiny(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    return model, tokenizer
+
+
+def lora(model, seed=0):
+    """A LoRA policy whose adapter is not zero (as after some training)."""
+    torch.manual_seed(seed)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                            init_lora_weights=False))
+
+
+def prompts(tokenizer):
+    texts = ["What is 3 + 4?", "Reach 24 with 2, 3 and 4, each used once, please."]  # unequal lengths
+    return encode_prompts(tokenizer, texts, max_prompt_length=None)
+
+
+def test_greedy_decoding_matches_hf_generate_and_each_prompt_is_prefilled_once(tiny):
+    model, tokenizer = tiny
+    ids, mask = prompts(tokenizer)
+    sampling = SamplingSpec(max_new_tokens=7)
+    ours = generate(model, tokenizer, ids, mask, sampling, greedy=True)
+    with torch.no_grad():
+        theirs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=7, do_sample=False,
+                                pad_token_id=tokenizer.pad_token_id)[:, ids.shape[1]:]  # [B, <=7]
+    width = theirs.shape[1]
+    assert torch.equal(ours.completion_ids[:, :width] * ours.completion_mask[:, :width],
+                       theirs * ours.completion_mask[:, :width])
+    repeated = generate(model, tokenizer, ids, mask, sampling, greedy=True, repeat=3)  # one prefill per prompt
+    assert torch.equal(repeated.completion_ids, ours.completion_ids.repeat_interleave(3, 0))
+    assert torch.equal(repeated.prompt_ids, ids.repeat_interleave(3, 0))
+
+
+def test_shared_prompt_logprobs_and_gradients_equal_one_pass_per_row(tiny):
+    model, tokenizer = tiny
+    policy = lora(model)
+    ids, mask = prompts(tokenizer)
+    G = 3
+    rollout = generate(policy, tokenizer, ids, mask, SamplingSpec(group_size=G, max_new_tokens=6),
+                       generator=torch.Generator().manual_seed(0))
+    completion_ids, completion_mask = rollout.completion_ids.clone(), rollout.completion_mask.clone()
+    completion_mask[1, 3:] = 0  # a completion that ended early: padding inside the batch
+    rows = (rollout.prompt_ids, rollout.prompt_mask, completion_ids, completion_mask)
+
+    def run(shared: bool):
+        policy.zero_grad()
+        if shared:
+            logprobs, entropy = completion_logprobs(policy, *rows, temperature=0.7, with_entropy=True)
+        else:
+            logits = _full_logits(policy, *rows)
+            logprobs = token_logprobs(logits, completion_ids, temperature=0.7)
+            entropy = token_entropy(logits.detach(), temperature=0.7)
+        (logprobs * completion_mask).sum().backward()
+        grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.requires_grad}
+        return logprobs.detach(), entropy, grads
+
+    shared, full = run(True), run(False)
+    real = completion_mask.bool()
+    torch.testing.assert_close(shared[0][real], full[0][real], rtol=0, atol=1e-5)
+    torch.testing.assert_close(shared[1][real], full[1][real], rtol=0, atol=1e-5)
+    assert shared[2].keys() == full[2].keys()
+    for name, grad in full[2].items():
+        assert grad.abs().sum() > 0, name
+        torch.testing.assert_close(shared[2][name], grad, rtol=1e-4, atol=1e-5)
+
+
+def test_gradient_checkpointing_takes_one_full_pass(tiny):
+    model, tokenizer = tiny
+    policy = lora(model)
+    ids, mask = prompts(tokenizer)
+    rollout = generate(policy, tokenizer, ids, mask, SamplingSpec(group_size=2, max_new_tokens=4))
+    rows = (rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask)
+    expected, _ = completion_logprobs(policy, *rows, temperature=1.0)
+    policy.train()
+    policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpointed, _ = completion_logprobs(policy, *rows, temperature=1.0)
+    checkpointed.sum().backward()  # a cache would be appended to twice by the recomputation
+    real = rollout.completion_mask.bool()
+    torch.testing.assert_close(checkpointed[real], expected[real], rtol=0, atol=1e-5)
+
+
+def test_merged_policy_decodes_like_the_adapter_and_frees_its_weights(tiny):
+    model, tokenizer = tiny
+    policy = lora(model)
+    assert can_merge(policy)
+    merged = MergedPolicy(policy)
+    ids, mask = prompts(tokenizer)
+    for _ in range(2):  # the second round sees the adapter's update: nothing is cached between rollouts
+        with torch.no_grad():
+            expected = policy(input_ids=ids, attention_mask=mask).logits
+            with merged(policy) as plain:
+                got = plain(input_ids=ids, attention_mask=mask).logits
+                embedding = policy.get_base_model().model.embed_tokens.weight
+                assert plain.model.embed_tokens.weight.data_ptr() == embedding.data_ptr()  # shared, not copied
+                assert plain.lm_head.weight.data_ptr() == embedding.data_ptr()  # still tied
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+        assert all(p.is_meta for p in merged.skeleton.parameters())  # freed after the rollout
+        with torch.no_grad():
+            for name, p in policy.named_parameters():
+                if "lora_B" in name:
+                    p.add_(0.05)
+
+    sampled = generate(policy, tokenizer, ids, mask, SamplingSpec(max_new_tokens=6), greedy=True)
+    with merged(policy) as plain:
+        assert generate(plain, tokenizer, ids, mask, SamplingSpec(max_new_tokens=6), greedy=True).texts == sampled.texts
+    with MergedPolicy(policy, torch.bfloat16)(policy) as half:
+        assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+        assert half(input_ids=ids, attention_mask=mask).logits.isfinite().all()
