@@ -73,6 +73,8 @@ class Settings:
     max_grad_norm: float = 1.0
     seed: int = 0
     lit_dtype: str = "float32"
+    lit_attn: str | None = None
+    lit_generation_dtype: str | None = None
     trl_bf16: bool = False
 
     @property
@@ -142,12 +144,12 @@ def run_lit(s: Settings) -> dict:
                                "tokens": data.last_stats["completion/length_mean"] * s.rollout_size,
                                "phases": phases})
 
-    policy = PolicySpec(name_or_path="embedded", dtype=s.lit_dtype,
+    policy = PolicySpec(name_or_path="embedded", dtype=s.lit_dtype, attn_implementation=s.lit_attn,
                         lora=LoraSpec(r=s.lora_r, alpha=s.lora_alpha, dropout=0.0, target_modules="all-linear"))
     module = GRPOModule(
         policy=policy, beta=s.beta, epsilon_low=s.epsilon, epsilon_high=s.epsilon, loss_type="grpo",
         optimizer=lambda params: torch.optim.AdamW(params, lr=s.lr, weight_decay=0.0),
-        progress=False, log_samples=0, validate_before_training=False,
+        progress=False, log_samples=0, validate_before_training=False, generation_dtype=s.lit_generation_dtype,
     )
     timer = StepTimer()
     with tempfile.TemporaryDirectory() as root:

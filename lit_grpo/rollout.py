@@ -236,4 +236,18 @@ def _next_token(logits: Tensor, sampling: SamplingSpec, greedy: bool, generator)
         # drop a token when the mass before it already reaches top_p (the top token always stays)
         drop = (cumulative - sorted_logits.softmax(-1)) >= sampling.top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+    return sample(logits.softmax(-1), generator)
+
+
+def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One draw per row of ``[n, V]`` probabilities, by inverting the CDF.
+
+    One uniform number per row instead of ``torch.multinomial``'s one per
+    vocabulary entry: on a CPU its exponential draws over 49k entries take
+    longer than the decode step of a small model. The CDF is summed in float64,
+    so rounding cannot shift mass between tokens at float32 resolution; a token
+    with probability 0 (cut by top-k/top-p) is never drawn.
+    """
+    cdf = probs.double().cumsum(-1)  # [n, V]
+    u = torch.rand(probs.shape[0], 1, generator=generator, dtype=cdf.dtype, device=cdf.device)
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=probs.shape[-1] - 1).squeeze(-1)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lit_grpo.objectives import token_entropy, token_logprobs
+from lit_grpo.objectives import head_logprobs, token_entropy, token_logprobs
 
 
 def naive_logprobs(logits, tokens, temperature=1.0):
@@ -118,3 +118,39 @@ def test_errors_name_shapes():
         token_logprobs(logits, tokens, temperature=0.0)
     with pytest.raises(ValueError, match=r"\[N, T, V\]"):
         token_entropy(logits[0])
+
+
+# ------------------------------------------------------------ head_logprobs
+def make_head(m=6, h=8, v=13, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(2, m // 2, h, generator=gen).to(dtype)
+    weight = torch.randn(v, h, generator=gen).to(dtype)
+    tokens = torch.randint(v, (2, m // 2), generator=gen)
+    return hidden, weight, tokens
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk_size", [1, 4, 1000])
+def test_head_logprobs_match_the_logits_path(temperature, chunk_size):
+    hidden, weight, tokens = make_head()
+    logprobs, entropy = head_logprobs(hidden, weight, tokens, temperature, with_entropy=True, chunk_size=chunk_size)
+    logits = hidden @ weight.T  # [2, 3, V]
+    torch.testing.assert_close(logprobs, naive_logprobs(logits, tokens, temperature).float(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropy, token_entropy(logits, temperature), rtol=0, atol=1e-5)
+    assert head_logprobs(hidden, weight, tokens, temperature)[1] is None
+
+
+def test_head_logprobs_gradcheck_float64_hidden_and_weight():
+    hidden, weight, tokens = make_head(dtype=torch.float64)
+    hidden.requires_grad_(), weight.requires_grad_()
+    assert torch.autograd.gradcheck(lambda h, w: head_logprobs(h, w, tokens, 0.9, chunk_size=4)[0], (hidden, weight))
+
+
+def test_head_logprobs_save_no_logits():
+    hidden, weight, tokens = make_head(m=8, h=4, v=64)
+    hidden.requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
+        head_logprobs(hidden, weight, tokens, 0.7, chunk_size=2)
+    assert all(x.shape[-1] != weight.shape[0] or x is weight or x.data_ptr() == weight.data_ptr() for x in saved)
+    assert sum(x.numel() for x in saved) <= hidden.numel() + weight.numel() + tokens.numel()

@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_grpo.merged import MergedPolicy, can_merge
 from lit_grpo.objectives import token_entropy, token_logprobs
-from lit_grpo.policy import _full_logits, completion_logprobs
-from lit_grpo.rollout import SamplingSpec, encode_prompts, generate
+from lit_grpo.policy import _full_logits, _fusable_head, completion_logprobs
+from lit_grpo.rollout import SamplingSpec, encode_prompts, generate, sample
 
 
 @pytest.fixture()
@@ -125,3 +125,37 @@ def test_merged_policy_decodes_like_the_adapter_and_frees_its_weights(tiny):
     with MergedPolicy(policy, torch.bfloat16)(policy) as half:
         assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
         assert half(input_ids=ids, attention_mask=mask).logits.isfinite().all()
+
+
+def test_fused_head_gradients_reach_a_trained_tied_head(tiny):
+    model, tokenizer = tiny  # full fine-tuning: the head (tied to the embedding) trains too
+    assert _fusable_head(model) is model.lm_head
+    ids, mask = prompts(tokenizer)
+    rollout = generate(model, tokenizer, ids, mask, SamplingSpec(group_size=2, max_new_tokens=5))
+    rows = (rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask)
+    grads = []
+    for fused in (True, False):
+        model.zero_grad()
+        if fused:
+            logprobs, _ = completion_logprobs(model, *rows, temperature=0.9)
+        else:
+            logprobs = token_logprobs(_full_logits(model, *rows), rollout.completion_ids, temperature=0.9)
+        (logprobs * rollout.completion_mask).sum().backward()
+        grads.append(model.lm_head.weight.grad.clone())
+    assert grads[1].abs().sum() > 0
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-5)
+    assert isinstance(model.lm_head, torch.nn.Linear)  # the head is back after the pass
+
+
+def test_soft_capped_logits_keep_the_models_own_head(tiny):
+    model, _ = tiny
+    model.config.final_logit_softcapping = 30.0  # logits != head(hidden): no fusing
+    assert _fusable_head(model) is None
+
+
+def test_inverse_cdf_sampling_follows_the_distribution():
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.2, 0.0]).expand(40000, 5)
+    draws = sample(probs, torch.Generator().manual_seed(0))
+    frequencies = torch.bincount(draws, minlength=5).double() / len(draws)
+    assert frequencies[1] == 0 and frequencies[4] == 0  # zero mass (e.g. cut by top-p) is never drawn
+    torch.testing.assert_close(frequencies, probs[0].double(), rtol=0, atol=0.01)

@@ -7,6 +7,8 @@ Pipeline, one rollout batch of B prompts x G completions (N = B*G rows):
 * :func:`token_logprobs` -- logits ``[N, T, V]`` + sampled tokens ``[N, T]`` ->
   ``[N, T]`` log-probabilities, chunked so no fp32 ``[N, T, V]`` log-softmax is
   ever held (section 2). :func:`token_entropy` is its logging companion.
+  :func:`head_logprobs` goes one step further: hidden states + output head ->
+  log-probs (and entropy), the logits never held at all.
 * :func:`grpo_loss` -- clipped surrogate + k3 KL, aggregated by ``loss_type``
   (sections 3-6); returns a :class:`LossOutput` with ``.loss`` and ``.metrics``.
 
@@ -21,7 +23,7 @@ Other objectives belong in their own module here and return the same
 from lit_grpo.objectives.advantages import Advantages, group_advantages
 from lit_grpo.objectives.dpo import dpo_loss, sequence_logps
 from lit_grpo.objectives.grpo import LossOutput, grpo_loss
-from lit_grpo.objectives.logprobs import token_entropy, token_logprobs
+from lit_grpo.objectives.logprobs import head_logprobs, token_entropy, token_logprobs
 
 __all__ = [
     "Advantages",
@@ -29,6 +31,7 @@ __all__ = [
     "dpo_loss",
     "group_advantages",
     "grpo_loss",
+    "head_logprobs",
     "sequence_logps",
     "token_entropy",
     "token_logprobs",

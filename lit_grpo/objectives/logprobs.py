@@ -171,3 +171,108 @@ def token_entropy(
     for rows, positions in _chunks(n_rows, n_positions, chunk_size):
         out[rows, positions] = _chunk_entropy(logits[rows, positions], temperature)
     return out
+
+
+HEAD_CHUNK_SIZE = 128
+"""Rows per chunk in :func:`head_logprobs`: 128 x 49152 x 4 B = 25 MB per fp32
+temporary. Its chunks are live at the training step's memory peak (every
+activation is still held), so they are kept small."""
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """Log-probs (and entropy) straight from hidden states through the output head.
+
+    The ``[M, V]`` logits exist one chunk at a time, in both directions: the
+    forward keeps only the chosen token's log-prob; the backward recomputes
+    each chunk's softmax and multiplies ``(onehot - softmax) * grad / T`` back
+    through the head into the hidden states' (and, if it trains, the head
+    weight's) gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, tokens: Tensor, temperature: float, chunk_size: int,
+                with_entropy: bool):
+        compute = torch.promote_types(weight.dtype, torch.float32)
+        logprobs = hidden.new_empty(tokens.shape, dtype=compute)  # [M]
+        entropy = hidden.new_empty(tokens.shape if with_entropy else (0,), dtype=compute)  # [M] or [0]
+        for start in range(0, len(tokens), chunk_size):
+            rows = slice(start, start + chunk_size)
+            logprobs[rows], chunk_entropy = _head_chunk(hidden[rows], weight, tokens[rows], temperature, with_entropy)
+            if with_entropy:
+                entropy[rows] = chunk_entropy
+        ctx.save_for_backward(hidden, weight, tokens)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs: Tensor, _grad_entropy: Tensor):
+        hidden, weight, tokens = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        compute = torch.promote_types(weight.dtype, torch.float32)
+        grad_weight = torch.zeros_like(weight, dtype=compute) if ctx.needs_input_grad[1] else None
+        for start in range(0, len(tokens), ctx.chunk_size):
+            rows = slice(start, start + ctx.chunk_size)
+            grad_logits = _head_chunk_grad(hidden[rows], weight, tokens[rows], grad_logprobs[rows], ctx.temperature)
+            if grad_hidden is not None:
+                grad_hidden[rows] = grad_logits.to(weight.dtype) @ weight  # [m, H]
+            if grad_weight is not None:
+                grad_weight += grad_logits.T @ hidden[rows].to(compute)  # [V, H]
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def _head_logits(hidden: Tensor, weight: Tensor, temperature: float) -> Tensor:
+    logits = hidden @ weight.T  # [m, V]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # half -> fp32; fp64 stays
+    return logits.div_(temperature) if temperature != 1.0 else logits
+
+
+def _head_chunk(hidden: Tensor, weight: Tensor, tokens: Tensor, temperature: float, with_entropy: bool):
+    logits = _head_logits(hidden, weight, temperature)  # [m, V]
+    logz = logits.logsumexp(-1)  # [m]
+    logprobs = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - logz
+    if not with_entropy:
+        return logprobs, None
+    probs = (logits - logz.unsqueeze(-1)).exp_()
+    return logprobs, logz - (probs * logits).sum(-1)  # H = logZ - E_p[logits]
+
+
+def _head_chunk_grad(hidden: Tensor, weight: Tensor, tokens: Tensor, grad_out: Tensor, temperature: float) -> Tensor:
+    g = grad_out.unsqueeze(-1)  # [m, 1]
+    grad = torch.softmax(_head_logits(hidden, weight, temperature), dim=-1)  # [m, V]
+    grad.mul_(-g).scatter_add_(-1, tokens.unsqueeze(-1), g)
+    return grad.div_(temperature) if temperature != 1.0 else grad
+
+
+def head_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    tokens: Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_size: int = HEAD_CHUNK_SIZE,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs of ``tokens`` under ``softmax(hidden @ weight.T / temperature)``, fused.
+
+    The same values as ``token_logprobs(hidden @ weight.T, tokens)`` without
+    ever holding the ``[..., V]`` logits (or their gradient): chunks of
+    ``chunk_size`` rows are computed, reduced and dropped, forward and
+    backward. Gradients flow to ``hidden`` and, if it requires grad, ``weight``.
+
+    Args:
+        hidden: ``[..., H]`` final hidden states at the positions that predict ``tokens``.
+        weight: ``[V, H]`` output head (no bias).
+        tokens: ``[...]`` token ids.
+        temperature: Logits are divided by it.
+        with_entropy: Also return the entropy of each position's distribution (no grad).
+        chunk_size: Rows per chunk.
+
+    Returns:
+        ``(logprobs [...], entropy [...] or None)``, fp32 (fp64 for fp64 inputs).
+    """
+    shape = tokens.shape
+    logprobs, entropy = _HeadLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, tokens.reshape(-1),
+                                            temperature, chunk_size, with_entropy)
+    return logprobs.view(shape), entropy.view(shape) if with_entropy else None
