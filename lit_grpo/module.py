@@ -70,6 +70,10 @@ class GRPOModule(PolicyModule):
         progress: Show progress bars for rollout generation.
         validate_before_training: Score the validation prompts once before the
             first step (logged as ``val/accuracy`` at step 0), so the gain is visible.
+        skip_zero_gradient_rows: With ``beta == 0``, leave rows with zero
+            advantage (collapsed groups) out of the forward and backward passes;
+            their gradient is exactly zero, and the loss is rescaled so the
+            step is unchanged.
         merge_for_generation: Decode rollouts and validation answers with the
             LoRA adapter folded into the weights (materialised per rollout,
             freed after; see :mod:`lit_grpo.merged`), which skips the adapter's
@@ -96,6 +100,7 @@ class GRPOModule(PolicyModule):
         log_samples: int = 2,
         progress: bool = True,
         validate_before_training: bool = True,
+        skip_zero_gradient_rows: bool = True,
         merge_for_generation: bool = True,
         generation_dtype: Literal["float32", "bfloat16", "float16"] | None = None,
     ) -> None:
@@ -172,6 +177,10 @@ class GRPOModule(PolicyModule):
             stats = self.trainer.datamodule.last_stats
             self.log_dict({k: float(v) for k, v in stats.items()}, on_step=False, on_epoch=True, sync_dist=True)
         start = time.perf_counter()
+        batch, scale = self._rows_with_gradient(batch)
+        if batch is None:  # every row's gradient is exactly zero: no forward, no backward
+            self._backward_start = time.perf_counter()
+            return sum(p.sum() for p in self.trainable_parameters()) * 0.0  # keeps DDP/FSDP in step
         logprobs, entropy = completion_logprobs(
             self.policy, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
             batch["completion_mask"], temperature=batch["temperature"], with_entropy=True,
@@ -191,7 +200,7 @@ class GRPOModule(PolicyModule):
             max_completion_length=hp.max_completion_length or self.trainer.datamodule.sampling.max_new_tokens,
             num_items=batch["num_items"],
         )
-        loss = result.loss
+        loss = result.loss * scale
         if hp.loss_type in _GLOBALLY_NORMALISED:
             loss = loss * self.trainer.accumulate_grad_batches * self.trainer.world_size
         self._add_time("policy_forward", time.perf_counter() - start)
@@ -204,6 +213,31 @@ class GRPOModule(PolicyModule):
                  sync_dist=True, batch_size=mask.shape[0])
         self._backward_start = time.perf_counter()
         return loss
+
+    def _rows_with_gradient(self, batch: dict) -> tuple[dict | None, float]:
+        """Drop the rows whose gradient is exactly zero; return the rest and the loss scale.
+
+        With ``beta == 0`` a row with zero advantage (every row of a collapsed
+        group) contributes exactly 0 to the loss and its gradient, but it still
+        counts in the denominator of ``grpo``/``dr_grpo`` (rows) and ``bnpo``
+        (tokens); the loss of the remaining rows is scaled by kept/all of that
+        denominator, so the step is the same as with every row. ``dapo``
+        divides by a count fixed for the whole step. Returns ``(None, 0)`` when
+        no row is left. The logged training metrics then cover the kept rows.
+        """
+        if not self.hparams.skip_zero_gradient_rows or self.hparams.beta > 0:
+            return batch, 1.0
+        keep = batch["advantages"] != 0  # [n]
+        if bool(keep.all()):
+            return batch, 1.0
+        if not bool(keep.any()):
+            return None, 0.0
+        mask = batch["completion_mask"]
+        scale = {"bnpo": float(mask[keep].sum() / mask.sum().clamp(min=1)), "dapo": 1.0}.get(
+            self.hparams.loss_type, float(keep.sum()) / len(keep))
+        kept = {k: v[keep] if torch.is_tensor(v) and v.dim() > 0 and len(v) == len(keep) else v
+                for k, v in batch.items()}
+        return kept, scale
 
     def on_after_backward(self) -> None:
         self._add_time("policy_backward", time.perf_counter() - self._backward_start)

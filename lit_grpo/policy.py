@@ -24,6 +24,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from lit_grpo.attention import use_sdpa_gqa
+
 log = logging.getLogger(__name__)
 
 EMBEDDED = "embedded"
@@ -69,9 +71,11 @@ class PolicySpec:
         cache_dir: Where the embedded model is cached after its one-time
             conversion; defaults to ``$LIT_GRPO_CACHE`` or ``~/.cache/lit_grpo``.
         attn_implementation: Attention kernel (``sdpa``, ``eager``,
-            ``flash_attention_2``...) passed to ``from_pretrained``; ``None``
-            takes transformers' default. On CPUs in bfloat16, ``eager``
-            trains faster than ``sdpa``, whose CPU backward is slow in bf16.
+            ``flash_attention_2``...) passed to ``from_pretrained``. ``None``
+            takes transformers' default and, where that is ``sdpa``, lets
+            PyTorch serve grouped-query heads without copying keys and values
+            (:mod:`lit_grpo.attention`). On CPUs in bfloat16, ``eager`` trains
+            faster than ``sdpa``, whose CPU backward is slow in bf16.
     """
 
     name_or_path: str = EMBEDDED
@@ -200,6 +204,8 @@ def load_base_model(spec: PolicySpec) -> nn.Module:
     model = AutoModelForCausalLM.from_pretrained(source, dtype=spec.torch_dtype, **kwargs)
     if kwargs.get("gguf_file"):
         _forget_gguf_quantizer(model)
+    if spec.attn_implementation is None:
+        use_sdpa_gqa(model)  # transformers' sdpa, minus its key/value copies for grouped-query heads
     return model
 
 

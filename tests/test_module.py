@@ -105,12 +105,44 @@ class GradientRecorder(L.Callback):
         self.norms.append(float(torch.stack([g.abs().max() for g in grads]).max()))
 
 
-def test_beta_zero_and_collapsed_groups_give_exactly_zero_gradient(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("skip", [True, False])
+def test_beta_zero_and_collapsed_groups_give_exactly_zero_gradient(tmp_path, tiny_model_dir, skip):
     module, data = make(tiny_model_dir, reward=constant_reward, beta=0.0)
+    module.hparams.skip_zero_gradient_rows = skip  # skipped rows, or a full pass whose gradient is 0
     recorder = GradientRecorder()
     trainer(tmp_path, epochs=1, callbacks=[recorder]).fit(module, data)
     assert recorder.norms and all(norm == 0.0 for norm in recorder.norms)
     assert float(module.trainer.callback_metrics["rollout/collapsed_fraction"]) == 1.0
+
+
+def first_group_collapsed(prompts, completions, **columns):
+    """Group 0 of each rollout gets equal rewards (zero advantage), the others vary."""
+    rewards = [float(len(c)) for c in completions]
+    return [1.0] * 4 + rewards[4:]
+
+
+class FullGradient(L.Callback):
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        self.grads = [p.grad.clone() for p in module.trainable_parameters()]
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_skipping_zero_gradient_rows_leaves_the_step_unchanged(tmp_path, tiny_model_dir, loss_type):
+    grads = []
+    for skip in (True, False):
+        L.seed_everything(0)
+        module = GRPOModule(policy=PolicySpec(name_or_path=tiny_model_dir), beta=0.0, loss_type=loss_type,
+                            skip_zero_gradient_rows=skip, progress=False)
+        data = OnPolicyDataModule(prompts_per_epoch=4, batch_size=16, val_size=4, train_size=40,
+                                  sampling=SamplingSpec(group_size=4, max_new_tokens=6),
+                                  rewards=[first_group_collapsed])
+        recorder = FullGradient()
+        trainer(tmp_path, epochs=1, callbacks=[recorder]).fit(module, data)
+        assert float(module.trainer.callback_metrics["rollout/collapsed_fraction"]) == 0.25
+        grads.append(recorder.grads)
+    assert any(g.abs().sum() > 0 for g in grads[1])
+    for skipped, full in zip(*grads):
+        torch.testing.assert_close(skipped, full, rtol=1e-5, atol=1e-7)
 
 
 def test_resume_continues_at_epoch_and_prompt_position(tmp_path, tiny_model_dir):

@@ -159,3 +159,22 @@ def test_inverse_cdf_sampling_follows_the_distribution():
     frequencies = torch.bincount(draws, minlength=5).double() / len(draws)
     assert frequencies[1] == 0 and frequencies[4] == 0  # zero mass (e.g. cut by top-p) is never drawn
     torch.testing.assert_close(frequencies, probs[0].double(), rtol=0, atol=0.01)
+
+
+def test_sdpa_gqa_matches_transformers_sdpa_and_saves_no_repeated_keys(tiny_model_dir):
+    from lit_grpo.attention import use_sdpa_gqa
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, padding_side="left")
+    models = [AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa") for _ in range(2)]
+    assert use_sdpa_gqa(models[1]) and models[1].config._attn_implementation == "sdpa_gqa"
+    ids, mask = prompts(tokenizer)  # left padding: a masked pass, where transformers repeats K/V
+    saved_shapes, outputs = [], []
+    for model in models:
+        shapes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda x: shapes.append(tuple(x.shape)) or x, lambda x: x):
+            outputs.append(model(input_ids=ids, attention_mask=mask).logits)
+        saved_shapes.append(shapes)
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=1e-5)
+    heads, kv_heads = models[0].config.num_attention_heads, models[0].config.num_key_value_heads
+    repeated = (ids.shape[0], heads, ids.shape[1], models[0].config.head_dim)
+    assert kv_heads < heads and repeated in saved_shapes[0] and saved_shapes[0].count(repeated) > saved_shapes[1].count(repeated)
