@@ -3,7 +3,9 @@
     pip install -e .[bench]
     python benchmarks/vs_trl.py                       # both recipes, 2 rounds x 4 steps each
     python benchmarks/vs_trl.py --recipe small --steps 2 --rounds 1 --max-new-tokens 8   # smoke test
-    python benchmarks/vs_trl.py --lit-dtype bfloat16  # lit_grpo in bf16, TRL still fp32
+    python benchmarks/vs_trl.py --lit-dtype bfloat16 --trl-bf16   # both in bf16 (TRL's default)
+    python benchmarks/vs_trl.py --recipe quickstart --beta 0 --systems lit_grpo [--lit-keep-zero-gradient-rows]
+                                                      # one lit_grpo lever, before/after
 
 Both systems train the embedded SmolLM2-135M-Instruct (the safetensors folder
 of ``lit_grpo.policy.embedded_model_dir()``) with a LoRA adapter (r=16,
@@ -75,6 +77,7 @@ class Settings:
     lit_dtype: str = "float32"
     lit_attn: str | None = None
     lit_generation_dtype: str | None = None
+    lit_skip_zero_gradient_rows: bool = True
     trl_bf16: bool = False
 
     @property
@@ -150,6 +153,7 @@ def run_lit(s: Settings) -> dict:
         policy=policy, beta=s.beta, epsilon_low=s.epsilon, epsilon_high=s.epsilon, loss_type="grpo",
         optimizer=lambda params: torch.optim.AdamW(params, lr=s.lr, weight_decay=0.0),
         progress=False, log_samples=0, validate_before_training=False, generation_dtype=s.lit_generation_dtype,
+        skip_zero_gradient_rows=s.lit_skip_zero_gradient_rows,
     )
     timer = StepTimer()
     with tempfile.TemporaryDirectory() as root:
@@ -237,11 +241,11 @@ def run_child(system: str, s: Settings) -> dict:
     return result
 
 
-def benchmark(s: Settings, rounds: int) -> dict[str, dict]:
+def benchmark(s: Settings, rounds: int, systems: tuple[str, ...] = SYSTEMS) -> dict[str, dict]:
     """Alternate the systems for ``rounds`` rounds (A, B, A, B); pool their steps."""
-    pooled = {system: {"steps": [], "peak_rss_mib": 0.0} for system in SYSTEMS}
+    pooled = {system: {"steps": [], "peak_rss_mib": 0.0} for system in systems}
     for index in range(rounds):
-        order = SYSTEMS if index % 2 == 0 else SYSTEMS[::-1]  # neither always goes first
+        order = systems if index % 2 == 0 else systems[::-1]  # neither always goes first
         for system in order:
             start, load = time.perf_counter(), os.getloadavg()[0]
             result = run_child(system, s)
@@ -270,8 +274,9 @@ def summarize(pool: dict) -> dict:
 
 def report(s: Settings, pooled: dict[str, dict]) -> None:
     rows = {system: summarize(pool) for system, pool in pooled.items()}
+    steps = next(iter(rows.values()))["steps"]
     print(f"\nrecipe {s.recipe}: {s.prompts} prompt(s) x G={s.group_size} x {s.max_new_tokens} new tokens, "
-          f"{rows['lit_grpo']['steps']} steps each")
+          f"beta={s.beta}, {steps} steps each")
     print("| system          | dtype    | median s/step | CPU s/step | gen tokens/s | peak RSS MiB | mean reward |")
     print("|-----------------|----------|---------------|------------|--------------|--------------|-------------|")
     dtypes = {"lit_grpo": s.lit_dtype, "trl": "bf16 amp" if s.trl_bf16 else "float32"}
@@ -280,13 +285,17 @@ def report(s: Settings, pooled: dict[str, dict]) -> None:
         print(f"| {label:<15} | {dtypes[system]:<8} | {r['step_s']:13.2f} | {r['cpu_s']:10.2f} | "
               f"{r['tokens_per_s']:12.1f} | "
               f"{r['peak_rss_mib']:12.0f} | {r['reward']:11.3f} |")
-    lit, trl = rows["lit_grpo"], rows["trl"]
+    if len(rows) == 2:
+        _print_ratios(rows["lit_grpo"], rows["trl"])
+    phases = _median_phases(pooled["lit_grpo"]["steps"]) if "lit_grpo" in pooled else {}
+    if phases:
+        print("lit_grpo phases (median s): " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
+
+
+def _print_ratios(lit: dict, trl: dict) -> None:
     print(f"lit_grpo/TRL: step time {lit['step_s'] / trl['step_s']:.2f}, CPU time {lit['cpu_s'] / trl['cpu_s']:.2f}, "
           f"tokens/s {lit['tokens_per_s'] / trl['tokens_per_s']:.2f}, "
           f"peak RSS {lit['peak_rss_mib'] / trl['peak_rss_mib']:.2f}")
-    phases = _median_phases(pooled["lit_grpo"]["steps"])
-    if phases:
-        print("lit_grpo phases (median s): " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
 
 
 def _median_phases(steps: list[dict]) -> dict[str, float]:
@@ -302,6 +311,14 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, help="Override the recipe's (for a quick check).")
     parser.add_argument("--lit-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--trl-bf16", action="store_true", help="GRPOConfig(bf16=True): CPU autocast.")
+    parser.add_argument("--beta", type=float, default=0.04, help="KL weight for both (0 skips the reference pass).")
+    parser.add_argument("--lit-attn", help="lit_grpo's policy.attn_implementation (e.g. eager).")
+    parser.add_argument("--lit-generation-dtype", choices=["float32", "bfloat16"],
+                        help="lit_grpo's model.generation_dtype.")
+    parser.add_argument("--lit-keep-zero-gradient-rows", action="store_true",
+                        help="model.skip_zero_gradient_rows=False (a lever's 'before').")
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS),
+                        help="Run only some systems (a lit_grpo lever before/after needs no TRL run).")
     parser.add_argument("--child", choices=SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--settings", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -316,11 +333,12 @@ def main() -> None:
           "loss_type='grpo' (dapo), shuffle_dataset=False; left at TRL's default: fused AdamW, unbiased group std.")
     for recipe in RECIPES if args.recipe == "all" else [args.recipe]:
         settings = Settings(recipe=recipe, steps=args.steps, lit_dtype=args.lit_dtype, trl_bf16=args.trl_bf16,
-                            **RECIPES[recipe])
+                            beta=args.beta, lit_attn=args.lit_attn, lit_generation_dtype=args.lit_generation_dtype,
+                            lit_skip_zero_gradient_rows=not args.lit_keep_zero_gradient_rows, **RECIPES[recipe])
         if args.max_new_tokens:
             settings = replace(settings, max_new_tokens=args.max_new_tokens)
         print(f"\n{recipe}: {args.rounds} round(s) x {args.steps} steps per system", flush=True)
-        report(settings, benchmark(settings, args.rounds))
+        report(settings, benchmark(settings, args.rounds, tuple(args.systems)))
 
 
 if __name__ == "__main__":
