@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_grpo.merged import MergedPolicy, can_merge
 from lit_grpo.objectives import token_entropy, token_logprobs
-from lit_grpo.policy import _full_logits, _fusable_head, completion_logprobs
+from lit_grpo.policy import _full_logits, _fusable_head, completion_logprobs, length_buckets
 from lit_grpo.rollout import SamplingSpec, encode_prompts, generate, sample
 
 
@@ -58,7 +58,9 @@ def test_shared_prompt_logprobs_and_gradients_equal_one_pass_per_row(tiny):
     rollout = generate(policy, tokenizer, ids, mask, SamplingSpec(group_size=G, max_new_tokens=6),
                        generator=torch.Generator().manual_seed(0))
     completion_ids, completion_mask = rollout.completion_ids.clone(), rollout.completion_mask.clone()
-    completion_mask[1, 3:] = 0  # a completion that ended early: padding inside the batch
+    for row, length in enumerate([6, 3, 1, 6, 2, 5]):  # completions that ended early: padding, length buckets
+        completion_mask[row, length:] = 0
+    assert len(length_buckets(completion_mask.sum(-1))) > 1
     rows = (rollout.prompt_ids, rollout.prompt_mask, completion_ids, completion_mask)
 
     def run(shared: bool):
@@ -178,3 +180,13 @@ def test_sdpa_gqa_matches_transformers_sdpa_and_saves_no_repeated_keys(tiny_mode
     heads, kv_heads = models[0].config.num_attention_heads, models[0].config.num_key_value_heads
     repeated = (ids.shape[0], heads, ids.shape[1], models[0].config.head_dim)
     assert kv_heads < heads and repeated in saved_shapes[0] and saved_shapes[0].count(repeated) > saved_shapes[1].count(repeated)
+
+
+def test_length_buckets_cover_every_row_once_and_cut_padding():
+    lengths = torch.tensor([40, 12, 64, 64, 18, 25, 52, 30])
+    buckets = length_buckets(lengths)
+    assert sorted(torch.cat(buckets).tolist()) == list(range(8))
+    padded = sum(len(rows) * int(lengths[rows].max()) for rows in buckets)
+    assert 1 < len(buckets) <= 4 and padded < 0.8 * 8 * 64
+    assert [int(lengths[rows].max()) for rows in buckets] == sorted(int(lengths[rows].max()) for rows in buckets)
+    assert len(length_buckets(torch.full((32,), 24))) == 1  # equal lengths: one pass
