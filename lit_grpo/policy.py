@@ -67,7 +67,9 @@ class PolicySpec:
         load_in_4bit: QLoRA: quantize the frozen base weights to 4-bit NF4 with
             bitsandbytes. Requires ``lora``.
         gradient_checkpointing: Recompute activations in the backward pass to
-            save memory (about 40% less peak memory for about 15% more time).
+            save memory on long completions. It turns off prompt sharing in
+            the log-prob passes, so with short completions it can cost memory
+            (see ``benchmarks/memory.py``).
         cache_dir: Where the embedded model is cached after its one-time
             conversion; defaults to ``$LIT_GRPO_CACHE`` or ``~/.cache/lit_grpo``.
         attn_implementation: Attention kernel (``sdpa``, ``eager``,
