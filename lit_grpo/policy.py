@@ -268,9 +268,11 @@ def completion_logprobs(
 
     Rows that share a prompt (a GRPO group, a DPO pair) run the prompt once:
     its key/value cache is computed for each distinct prompt and indexed out to
-    the rows, and only the completion tokens run per row. Gradients flow
-    through the shared cache (its index sums them over the rows), so the result
-    equals one full pass per row. Models in gradient checkpointing, whose
+    the rows, and only the completion tokens run per row, in length buckets
+    (:func:`length_buckets`) so each pass is only as wide as its longest row.
+    Gradients flow through the shared cache (its index sums them over the
+    rows), so the result equals one full pass per row at every real token;
+    positions past a row's end are 0. Models in gradient checkpointing, whose
     recomputation would append to the cache a second time, and batches without
     a repeated prompt take one full pass.
 
