@@ -223,27 +223,16 @@ class _HeadLogprobs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None
 
 
-def _head_logits(hidden: Tensor, weight: Tensor, temperature: float) -> Tensor:
-    logits = hidden @ weight.T  # [m, V]
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # half -> fp32; fp64 stays
-    return logits.div_(temperature) if temperature != 1.0 else logits
-
-
+# The chunk bodies are the logits path's own (_chunk_logprobs, _chunk_entropy,
+# _chunk_grad), applied to a chunk of rows' logits computed here and dropped after.
 def _head_chunk(hidden: Tensor, weight: Tensor, tokens: Tensor, temperature: float, with_entropy: bool):
-    logits = _head_logits(hidden, weight, temperature)  # [m, V]
-    logz = logits.logsumexp(-1)  # [m]
-    logprobs = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - logz
-    if not with_entropy:
-        return logprobs, None
-    probs = (logits - logz.unsqueeze(-1)).exp_()
-    return logprobs, logz - (probs * logits).sum(-1)  # H = logZ - E_p[logits]
+    logits = hidden @ weight.T  # [m, V]
+    entropy = _chunk_entropy(logits, temperature) if with_entropy else None
+    return _chunk_logprobs(logits, tokens, temperature), entropy
 
 
 def _head_chunk_grad(hidden: Tensor, weight: Tensor, tokens: Tensor, grad_out: Tensor, temperature: float) -> Tensor:
-    g = grad_out.unsqueeze(-1)  # [m, 1]
-    grad = torch.softmax(_head_logits(hidden, weight, temperature), dim=-1)  # [m, V]
-    grad.mul_(-g).scatter_add_(-1, tokens.unsqueeze(-1), g)
-    return grad.div_(temperature) if temperature != 1.0 else grad
+    return _chunk_grad(hidden @ weight.T, tokens, grad_out, temperature)  # [m, V]
 
 
 def head_logprobs(
