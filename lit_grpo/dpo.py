@@ -23,7 +23,8 @@ from torchmetrics import MeanMetric
 from tqdm.auto import tqdm
 
 from lit_grpo.objectives import LossOutput, dpo_loss, sequence_logps
-from lit_grpo.policy import PolicySpec, completion_logprobs
+from lit_grpo.logprob_passes import completion_logprobs
+from lit_grpo.policy import PolicySpec
 from lit_grpo.policy_module import PolicyModule
 
 

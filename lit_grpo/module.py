@@ -31,7 +31,8 @@ from lit_grpo.distributed import gathered
 from lit_grpo.objectives import grpo_loss
 from lit_grpo.objectives.grpo import IMPORTANCE_LEVELS, LOSS_TYPES
 from lit_grpo.merged import MergedPolicy, can_merge
-from lit_grpo.policy import DTYPES, PolicySpec, completion_logprobs
+from lit_grpo.logprob_passes import completion_logprobs
+from lit_grpo.policy import DTYPES, PolicySpec
 from lit_grpo.policy_module import PolicyModule
 from lit_grpo.rollout import generate
 

@@ -12,7 +12,8 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lit_grpo.data import OnPolicyDataModule
 from lit_grpo.module import GRPOModule
-from lit_grpo.policy import PolicySpec, completion_logprobs
+from lit_grpo.logprob_passes import completion_logprobs
+from lit_grpo.policy import PolicySpec
 from lit_grpo.rollout import SamplingSpec
 
 

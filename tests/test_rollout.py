@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_grpo.merged import MergedPolicy, can_merge
 from lit_grpo.objectives import token_entropy, token_logprobs
-from lit_grpo.policy import _full_logits, _fusable_head, completion_logprobs, length_buckets
+from lit_grpo.logprob_passes import _full_logits, _fusable_head, completion_logprobs, length_buckets
 from lit_grpo.rollout import SamplingSpec, encode_prompts, generate, sample
 
 
