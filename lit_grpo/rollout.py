@@ -190,6 +190,8 @@ def _decode(model, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, pad, 
     """Token ids ``[B * repeat, max_new_tokens]``; each prompt's cache is computed once and repeated."""
     from transformers import DynamicCache
 
+    from lit_grpo.decode_step import LlamaStep, ModelStep, llama_step_applies
+
     n = prompt_ids.shape[0] * repeat
     tokens = torch.full((n, sampling.max_new_tokens), pad, dtype=torch.long, device=prompt_ids.device)
     active = torch.arange(n, device=prompt_ids.device)  # rows still writing
@@ -200,9 +202,12 @@ def _decode(model, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, pad, 
     if repeat > 1:  # the samples of one prompt share its prefill
         cache.batch_repeat_interleave(repeat)
         logits = logits.repeat_interleave(repeat, 0)  # [n, V]
-    attention = prompt_mask.repeat_interleave(repeat, 0)  # [n_active, P + t]
-    positions = positions.repeat_interleave(repeat, 0)
-    next_position = positions[:, -1] + 1  # [n_active]
+    attention = prompt_mask.repeat_interleave(repeat, 0)  # [n, P]
+    if llama_step_applies(model, prompt_ids.shape[1] + sampling.max_new_tokens):
+        forward = LlamaStep(model, cache, attention, sampling.max_new_tokens)
+    else:
+        forward = ModelStep(model, cache, attention)
+    next_position = positions[:, -1].repeat_interleave(repeat, 0) + 1  # [n_active]
     for step in range(sampling.max_new_tokens):
         token = _next_token(logits, sampling, greedy, generator)  # [n_active]
         tokens[active, step] = token
@@ -213,11 +218,9 @@ def _decode(model, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, pad, 
             break
         if not alive.all():  # finished rows leave the batch, and their cache with them
             keep = alive.nonzero().squeeze(-1)
-            active, token, attention, next_position = active[keep], token[keep], attention[keep], next_position[keep]
-            cache.batch_select_indices(keep)
-        attention = torch.cat([attention, attention.new_ones(len(active), 1)], dim=1)
-        logits = model(input_ids=token[:, None], attention_mask=attention, position_ids=next_position[:, None],
-                       cache=cache, use_cache=True).logits[:, -1]  # [n_active, V]
+            active, token, next_position = active[keep], token[keep], next_position[keep]
+            forward.select(keep)
+        logits = forward(token, next_position)  # [n_active, V]
         next_position = next_position + 1
     return tokens
 

@@ -1,0 +1,78 @@
+"""The lean Llama decode step against the model's own forward, step by step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from lit_grpo.decode_step import LlamaStep, ModelStep, llama_step_applies
+from lit_grpo.merged import MergedPolicy
+
+SIZES = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128)
+
+
+def build(config_class, model_class, **extra):
+    torch.manual_seed(0)
+    return model_class(config_class(**SIZES, **extra)).eval()
+
+
+def prefill(model, ids, mask):
+    cache = DynamicCache()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache).logits[:, -1]
+    return cache, positions[:, -1] + 1, logits
+
+
+def left_padded(rows=3, width=6):
+    ids = torch.randint(1, 97, (rows, width), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(rows, width, dtype=torch.long)
+    mask[1, :2] = 0  # shorter prompts, padded on the left
+    mask[2, :4] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", [
+    (LlamaConfig, LlamaForCausalLM, {}),
+    (LlamaConfig, LlamaForCausalLM, {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    (Qwen2Config, Qwen2ForCausalLM, {}),  # biased q/k/v projections
+    (MistralConfig, MistralForCausalLM, {"sliding_window": 64}),  # a window wider than the sequence
+], ids=["llama", "llama-rope-scaling", "qwen2", "mistral"])
+def test_llama_step_gives_the_models_logits_at_every_step(family):
+    model = build(*family[:2], **family[2])
+    ids, mask = left_padded()
+    assert llama_step_applies(model, ids.shape[1] + 5)
+    ours_cache, position, _ = prefill(model, ids, mask)
+    their_cache, _, _ = prefill(model, ids, mask)
+    ours, theirs = LlamaStep(model, ours_cache, mask, new_tokens=5), ModelStep(model, their_cache, mask)
+    tokens = torch.tensor([5, 6, 7])
+    with torch.no_grad():
+        for step in range(5):
+            if step == 2:  # row 1 finished: it leaves both batches
+                keep = torch.tensor([0, 2])
+                ours.select(keep)
+                theirs.select(keep)
+                tokens, position = tokens[keep], position[keep]
+            expected = theirs(tokens, position)
+            got = ours(tokens, position)
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+            tokens, position = expected.argmax(-1), position + 1
+
+
+def test_llama_step_applies_only_where_it_is_exact():
+    llama = build(LlamaConfig, LlamaForCausalLM)
+    assert llama_step_applies(llama, 100)
+    assert not llama_step_applies(get_peft_model(llama, LoraConfig(r=2, target_modules="all-linear")), 100)
+    mistral = build(MistralConfig, MistralForCausalLM, sliding_window=16)
+    assert llama_step_applies(mistral, 16) and not llama_step_applies(mistral, 17)  # the window would cut in
+    assert not llama_step_applies(build(Qwen3Config, Qwen3ForCausalLM, head_dim=8), 100)  # q/k norms
+
+
+def test_merged_packed_skeleton_takes_the_llama_step():
+    policy = get_peft_model(build(LlamaConfig, LlamaForCausalLM), LoraConfig(r=2, target_modules="all-linear"))
+    with MergedPolicy(policy)(policy) as plain:
+        assert llama_step_applies(plain, 100)
