@@ -11,11 +11,6 @@ layers and the policy's own tensors (shared, not copied) for everything else.
 The merged weights are freed when the rollout ends, so they never add to the
 memory peak of the training step.
 
-On a CPU every linear layer of the skeleton is a :class:`PackedLinear`: its
-weight is reordered once per rollout into oneDNN's blocked layout, which runs
-the few-row matmuls of decoding at the speed of reading the weights (a
-1 x 8 x 64-token rollout of SmolLM2-135M: 9.8 s -> 6.9 s, packing included).
-
 In another dtype (``bfloat16`` on hardware with bf16 matrix units) every
 weight is cast for the rollout, which halves the bytes read per token. Samples
 then come from a rounded copy of the policy while the objective scores them in
@@ -52,13 +47,6 @@ class MergedPolicy:
         skeleton = copy.deepcopy(policy, memo)
         if _is_peft(skeleton):
             skeleton = skeleton.unload()  # the plain architecture, adapter layers removed
-        weight = next(policy.parameters())
-        self.packed: dict[str, PackedLinear] = {}
-        if can_pack(weight.device, dtype or weight.dtype):
-            for name, module in list(skeleton.named_modules()):
-                if type(module) is nn.Linear:
-                    self.packed[name] = PackedLinear()
-                    skeleton.set_submodule(name, self.packed[name])
         self.empty = {name: torch.empty_like(p, dtype=dtype or p.dtype)
                       for name, p in skeleton.named_parameters(remove_duplicate=False)}
         self.skeleton = skeleton.requires_grad_(False).eval()
@@ -68,54 +56,13 @@ class MergedPolicy:
         """Yield the skeleton holding ``policy``'s current merged weights; free them on exit."""
         with torch.no_grad():
             weights = merged_weights(policy)
-            if self.dtype is not None:
-                weights = {name: w.to(self.dtype) for name, w in weights.items()}
-            for name, module in self.packed.items():
-                module.load(weights.pop(f"{name}.weight"), weights.pop(f"{name}.bias", None))
+        if self.dtype is not None:
+            weights = {name: w.to(self.dtype) for name, w in weights.items()}
         self.skeleton.load_state_dict(weights, strict=False, assign=True)
         try:
             yield self.skeleton
         finally:
             self.skeleton.load_state_dict(self.empty, strict=False, assign=True)
-            for module in self.packed.values():
-                module.load(None, None)
-
-
-class PackedLinear(nn.Module):
-    """A linear layer whose weight is held in oneDNN's blocked layout (CPU decoding).
-
-    A decode step multiplies a few rows by every weight matrix. For such small
-    batches the default CPU GEMM runs well below the memory bandwidth the
-    weight reads allow (SmolLM2-135M, 8 rows: 80 ms for all its matmuls, 49 ms
-    with the weights pre-packed, as much as one row takes); packing a matrix
-    costs about one copy of it, once per rollout. The weight is set by
-    :meth:`load` and has no gradient.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight: torch.Tensor | None = None
-        self.bias: torch.Tensor | None = None
-
-    def load(self, weight: torch.Tensor | None, bias: torch.Tensor | None) -> None:
-        """Pack ``weight`` (``[out, in]``, dense) for the next calls; ``None`` frees it."""
-        self.weight = None if weight is None else torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
-        self.bias = bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-
-
-def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether :class:`PackedLinear` runs here: oneDNN on this CPU for this dtype."""
-    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    try:  # bfloat16/float16 packing needs CPU instructions that only a probe reveals
-        probe = PackedLinear()
-        probe.load(torch.ones(2, 2, dtype=dtype), None)
-        return bool(torch.equal(probe(torch.ones(1, 2, dtype=dtype)), torch.full((1, 2), 2, dtype=dtype)))
-    except (RuntimeError, AttributeError):
-        return False
 
 
 def merged_weights(policy: nn.Module) -> dict[str, torch.Tensor]:

@@ -8,7 +8,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from lit_grpo.decode_step import LlamaStep, ModelStep, llama_step_applies
+from lit_grpo.decode_step import LlamaStep, Matmul, ModelStep, can_pack, llama_step_applies
 from lit_grpo.merged import MergedPolicy
 
 SIZES = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -72,7 +72,20 @@ def test_llama_step_applies_only_where_it_is_exact():
     assert not llama_step_applies(build(Qwen3Config, Qwen3ForCausalLM, head_dim=8), 100)  # q/k norms
 
 
-def test_merged_packed_skeleton_takes_the_llama_step():
+def test_the_merged_skeleton_takes_the_llama_step():
     policy = get_peft_model(build(LlamaConfig, LlamaForCausalLM), LoraConfig(r=2, target_modules="all-linear"))
     with MergedPolicy(policy)(policy) as plain:
         assert llama_step_applies(plain, 100)
+
+
+def test_matmul_fuses_and_packs_linear_layers():
+    assert can_pack(torch.device("cpu"), torch.float32)  # oneDNN ships with every x86 CPU build of torch
+    assert not can_pack(torch.device("meta"), torch.float32)
+    assert not can_pack(torch.device("cpu"), torch.float64)  # oneDNN has no float64 matmul
+    torch.manual_seed(0)
+    q, k = torch.nn.Linear(24, 40), torch.nn.Linear(24, 8, bias=False)
+    for shape in ((1, 24), (8, 24), (3, 5, 24)):
+        x = torch.randn(shape)
+        expected = torch.cat([q(x), k(x)], -1).detach()  # the missing bias counts as zeros
+        torch.testing.assert_close(Matmul(q, k)(x), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(Matmul(k)(x), k(x).detach(), rtol=1e-5, atol=1e-5)

@@ -9,7 +9,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lit_grpo.merged import MergedPolicy, PackedLinear, can_merge, can_pack
+from lit_grpo.merged import MergedPolicy, can_merge
 from lit_grpo.objectives import token_entropy, token_logprobs
 from lit_grpo.logprob_passes import _full_logits, _fusable_head, completion_logprobs, length_buckets
 from lit_grpo.rollout import SAMPLE_BLOCK, SamplingSpec, encode_prompts, generate, sample
@@ -113,10 +113,9 @@ def test_merged_policy_decodes_like_the_adapter_and_frees_its_weights(tiny):
                 got = plain(input_ids=ids, attention_mask=mask).logits
                 embedding = policy.get_base_model().model.embed_tokens.weight
                 assert plain.model.embed_tokens.weight.data_ptr() == embedding.data_ptr()  # shared, not copied
-                assert isinstance(plain.lm_head, PackedLinear) and plain.lm_head.weight.is_mkldnn  # this CPU packs
+                assert plain.lm_head.weight.data_ptr() == embedding.data_ptr()  # still tied
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
         assert all(p.is_meta for p in merged.skeleton.parameters())  # freed after the rollout
-        assert all(m.weight is None for m in merged.packed.values())
         with torch.no_grad():
             for name, p in policy.named_parameters():
                 if "lora_B" in name:
@@ -128,20 +127,6 @@ def test_merged_policy_decodes_like_the_adapter_and_frees_its_weights(tiny):
     with MergedPolicy(policy, torch.bfloat16)(policy) as half:
         assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
         assert half(input_ids=ids, attention_mask=mask).logits.isfinite().all()
-
-
-def test_packed_linear_matches_a_dense_linear():
-    assert can_pack(torch.device("cpu"), torch.float32)  # oneDNN ships with every x86 CPU build of torch
-    assert not can_pack(torch.device("meta"), torch.float32)
-    assert not can_pack(torch.device("cpu"), torch.float64)  # oneDNN has no float64 matmul
-    linear = torch.nn.Linear(24, 40)
-    packed = PackedLinear()
-    packed.load(linear.weight.detach(), linear.bias.detach())
-    for shape in ((1, 24), (8, 24), (3, 5, 24)):  # a decode step, a decode batch, a prefill
-        x = torch.randn(shape)
-        torch.testing.assert_close(packed(x), linear(x).detach(), rtol=1e-5, atol=1e-5)
-    packed.load(linear.weight.detach(), None)
-    torch.testing.assert_close(packed(x), x @ linear.weight.detach().T, rtol=1e-5, atol=1e-5)
 
 
 def test_fused_head_gradients_reach_a_trained_tied_head(tiny):
