@@ -213,11 +213,12 @@ class _HeadLogprobs(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=compute) if ctx.needs_input_grad[1] else None
         for start in range(0, len(tokens), ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
-            grad_logits = _head_chunk_grad(hidden[rows], weight, tokens[rows], grad_logprobs[rows], ctx.temperature)
+            scaled = hidden[rows] / ctx.temperature  # [m, H]
+            grad_logits = _chunk_grad(scaled @ weight.T, tokens[rows], grad_logprobs[rows], 1.0)  # [m, V]
             if grad_hidden is not None:
-                grad_hidden[rows] = grad_logits.to(weight.dtype) @ weight  # [m, H]
+                grad_hidden[rows] = (grad_logits.to(weight.dtype) @ weight) / ctx.temperature  # [m, H]
             if grad_weight is not None:
-                grad_weight += grad_logits.T @ hidden[rows].to(compute)  # [V, H]
+                grad_weight += grad_logits.T @ scaled.to(compute)  # [V, H]
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None
@@ -225,14 +226,15 @@ class _HeadLogprobs(torch.autograd.Function):
 
 # The chunk bodies are the logits path's own (_chunk_logprobs, _chunk_entropy,
 # _chunk_grad), applied to a chunk of rows' logits computed here and dropped after.
+# The temperature divides the hidden states ([m, H]) before the head instead of
+# the logits ([m, V]) after it: the same numbers, V / H times fewer divisions.
 def _head_chunk(hidden: Tensor, weight: Tensor, tokens: Tensor, temperature: float, with_entropy: bool):
-    logits = hidden @ weight.T  # [m, V]
-    entropy = _chunk_entropy(logits, temperature) if with_entropy else None
-    return _chunk_logprobs(logits, tokens, temperature), entropy
-
-
-def _head_chunk_grad(hidden: Tensor, weight: Tensor, tokens: Tensor, grad_out: Tensor, temperature: float) -> Tensor:
-    return _chunk_grad(hidden @ weight.T, tokens, grad_out, temperature)  # [m, V]
+    logits = (hidden / temperature) @ weight.T  # [m, V], already divided by the temperature
+    if not with_entropy:
+        return _chunk_logprobs(logits, tokens, 1.0), None
+    # both from one log-softmax; nansum drops the 0 * -inf of masked (-inf) logits
+    logp = torch.log_softmax(logits.to(_compute_dtype(logits)), dim=-1)  # [m, V]
+    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).nansum(-1)
 
 
 def head_logprobs(
