@@ -5,7 +5,10 @@ the cost of reading the weights plus per-op overhead, hardly arithmetic. On a
 CPU transformers' generic forward leaves both on the table: the default GEMM
 runs few-row matmuls well below the speed the weight reads allow, and the
 per-layer bookkeeping (a 4-D mask, every layer's key/value cache concatenated
-with the new column, rotary and GQA reshapes) is a third of a step.
+with the new column, rotary and GQA reshapes, keyword plumbing) adds up over
+thirty layers. A 1 x 8 x 64-token rollout of SmolLM2-135M (merged LoRA
+weights, merging included) takes 8.96 s through ``model(...)`` and 5.54 s
+through :class:`LlamaStep`.
 
 :class:`LlamaStep` does the Llama layer's arithmetic (Llama, Mistral, Qwen2:
 RMSNorm, rotary attention with grouped KV heads, SwiGLU) with
@@ -18,7 +21,9 @@ RMSNorm, rotary attention with grouped KV heads, SwiGLU) with
 * the cache in buffers sized for the whole rollout, a column written per
   step, and the padding bias built once.
 It calls the model's own norms, rotary embedding and activation, so epsilons,
-RoPE scaling and biases are the model's; logits agree within 1e-5 (fp32).
+RoPE scaling and biases are the model's; its logits agree with the model's
+within 1e-5 on the tests' tiny models and 5e-5 on SmolLM2-135M (float32; the
+packed matmul sums in another order).
 
 It runs on CPUs (where oneDNN packs the weights). Any other device or
 model, or one wrapped for training (a peft adapter, FSDP shards, 4-bit

@@ -81,9 +81,11 @@ class GRPOModule(PolicyModule):
             extra work at every token. QLoRA and FSDP2-sharded policies always
             decode through the adapter.
         generation_dtype: Weight dtype for decoding (``bfloat16`` is faster on
-            GPUs and on CPUs with AMX); ``None`` keeps the policy's. Needs
-            ``merge_for_generation``. The objective still scores in the policy's
-            dtype.
+            GPUs and on CPUs with AMX; ``float32`` for a bf16 policy on a CPU
+            without bf16 instructions, where only float32 weights can be packed
+            for the lean decode step, see :mod:`lit_grpo.decode_step`); ``None``
+            keeps the policy's. Needs ``merge_for_generation``. The objective
+            still scores in the policy's dtype.
     """
 
     def __init__(
