@@ -58,9 +58,21 @@ def _scaled(chunk: Tensor, temperature: float) -> Tensor:
 
 # The per-chunk bodies are functions so their [n, t, V] temporaries are freed on
 # return; a loop variable would keep the previous chunk alive (2 chunks at peak).
-def _chunk_logprobs(chunk: Tensor, tokens: Tensor, temperature: float) -> Tensor:
-    logp = torch.log_softmax(_scaled(chunk, temperature), dim=-1)  # [n, t, V]
+def _log_softmax(chunk: Tensor, temperature: float) -> Tensor:
+    return torch.log_softmax(_scaled(chunk, temperature), dim=-1)  # [n, t, V]
+
+
+def _chosen(logp: Tensor, tokens: Tensor) -> Tensor:
     return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [n, t]
+
+
+def _entropy(logp: Tensor) -> Tensor:
+    # -sum p log p; nansum drops the 0 * -inf of -inf logits (masked vocab), whose p is 0.
+    return -(logp.exp() * logp).nansum(-1)  # [n, t]
+
+
+def _chunk_logprobs(chunk: Tensor, tokens: Tensor, temperature: float) -> Tensor:
+    return _chosen(_log_softmax(chunk, temperature), tokens)
 
 
 def _chunk_grad(chunk: Tensor, tokens: Tensor, grad_out: Tensor, temperature: float) -> Tensor:
@@ -99,9 +111,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
 
 
 def _chunk_entropy(chunk: Tensor, temperature: float) -> Tensor:
-    probs = torch.softmax(_scaled(chunk, temperature), dim=-1)  # [n, t, V]
-    # entr(p) = -p log p with entr(0) = 0, so -inf logits (masked vocab) give no NaN.
-    return torch.special.entr(probs).sum(-1)  # [n, t]
+    return _entropy(_log_softmax(chunk, temperature))
 
 
 def _check_inputs(logits: Tensor, temperature: float, chunk_size: int) -> None:
@@ -224,17 +234,14 @@ class _HeadLogprobs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None
 
 
-# The chunk bodies are the logits path's own (_chunk_logprobs, _chunk_entropy,
-# _chunk_grad), applied to a chunk of rows' logits computed here and dropped after.
-# The temperature divides the hidden states ([m, H]) before the head instead of
-# the logits ([m, V]) after it: the same numbers, V / H times fewer divisions.
+# The chunk bodies are the logits path's own (_log_softmax, _chosen, _entropy,
+# _chunk_grad), applied to a chunk of rows' logits computed here and dropped after;
+# the log-prob and the entropy come from one log-softmax. The temperature divides
+# the hidden states ([m, H]) before the head instead of the logits ([m, V]) after
+# it: the same numbers, V / H times fewer divisions.
 def _head_chunk(hidden: Tensor, weight: Tensor, tokens: Tensor, temperature: float, with_entropy: bool):
-    logits = (hidden / temperature) @ weight.T  # [m, V], already divided by the temperature
-    if not with_entropy:
-        return _chunk_logprobs(logits, tokens, 1.0), None
-    # both from one log-softmax; nansum drops the 0 * -inf of masked (-inf) logits
-    logp = torch.log_softmax(logits.to(_compute_dtype(logits)), dim=-1)  # [m, V]
-    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).nansum(-1)
+    logp = _log_softmax((hidden / temperature) @ weight.T, 1.0)  # [m, V]
+    return _chosen(logp, tokens), _entropy(logp) if with_entropy else None
 
 
 def head_logprobs(
