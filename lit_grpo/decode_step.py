@@ -84,14 +84,10 @@ class Matmul:
             self.bias = torch.cat(biases).detach()
         else:
             self.bias = None
-        self.weight = _pack(weight.detach())
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
 
     def __call__(self, x: Tensor) -> Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-
-
-def _pack(weight: Tensor) -> Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
 
 
 @functools.cache
@@ -102,10 +98,10 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     """
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
+    probe = nn.utils.skip_init(nn.Linear, 2, 2, bias=False, dtype=dtype)  # no init: the global RNG stays untouched
+    nn.init.ones_(probe.weight)
     try:
-        packed = _pack(torch.ones(2, 2, dtype=dtype))
-        out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 2, dtype=dtype), packed, None, "none", [], "")
-        return bool(torch.equal(out, torch.full((1, 2), 2, dtype=dtype)))
+        return bool(torch.equal(Matmul(probe)(torch.ones(1, 2, dtype=dtype)), torch.full((1, 2), 2, dtype=dtype)))
     except (RuntimeError, AttributeError):
         return False
 
