@@ -84,10 +84,8 @@ class DPOModule(PolicyModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         result = self.preference_loss(batch)
         pairs = batch["completion_ids"].shape[0] // 2
-        self.log_dict({f"train/{k}": v for k, v in result.metrics.items()}, on_step=False, on_epoch=True,
-                      sync_dist=True, batch_size=pairs)
-        self.log("train/loss", result.loss.detach(), on_step=True, on_epoch=True, prog_bar=True,
-                 sync_dist=True, batch_size=pairs)
+        self.log_reduced({f"train/{k}": v for k, v in result.metrics.items()}, weight=pairs)
+        self.log_reduced({"train/loss": result.loss.detach()}, weight=pairs, prog_bar=True, on_step=True)
         return result.loss
 
     # ------------------------------------------------------------- validation

@@ -29,17 +29,20 @@ from tqdm.auto import tqdm
 
 from lit_grpo.distributed import gathered
 from lit_grpo.objectives import grpo_loss
-from lit_grpo.objectives.grpo import IMPORTANCE_LEVELS, LOSS_TYPES
+from lit_grpo.objectives.grpo import CLIP_METRICS, IMPORTANCE_LEVELS, LOSS_TYPES
 from lit_grpo.merged import MergedPolicy, can_merge
 from lit_grpo.logprob_passes import completion_logprobs
 from lit_grpo.policy import DTYPES, PolicySpec
 from lit_grpo.policy_module import PolicyModule
 from lit_grpo.rollout import generate
+from lit_grpo.rollout_round import MAX_STATS
 
 # Loss types normalised by a count taken over the whole optimizer step on all
 # ranks; Lightning averages micro-batches and DDP averages ranks, so these
 # losses are scaled back up to a plain sum.
 _GLOBALLY_NORMALISED = {"dapo"}
+# Phases of a training step timed per epoch (logged as time/<phase>).
+_STEP_PHASES = ("policy_forward", "policy_backward", "optimizer")
 
 
 class GRPOModule(PolicyModule):
@@ -178,10 +181,12 @@ class GRPOModule(PolicyModule):
         hp = self.hparams
         if batch_idx == 0:  # the epoch's rollout has just run (the loader builds it on first use)
             stats = self.trainer.datamodule.last_stats
-            self.log_dict({k: float(v) for k, v in stats.items()}, on_step=False, on_epoch=True, sync_dist=True)
+            self.log_reduced({k: v for k, v in stats.items() if k not in MAX_STATS})
+            self.log_reduced({k: stats[k] for k in MAX_STATS}, op="max")
         start = time.perf_counter()
         batch, scale = self._rows_with_gradient(batch)
         if batch is None:  # every row's gradient is exactly zero: no forward, no backward
+            self._log_step(dict.fromkeys(self._step_metric_names(), 0.0), 0.0, rows=0)
             self._backward_start = time.perf_counter()
             return sum(p.sum() for p in self.trainable_parameters()) * 0.0  # keeps DDP/FSDP in step
         logprobs, entropy = completion_logprobs(
@@ -207,15 +212,23 @@ class GRPOModule(PolicyModule):
         if hp.loss_type in _GLOBALLY_NORMALISED:
             loss = loss * self.trainer.accumulate_grad_batches * self.trainer.world_size
         self._add_time("policy_forward", time.perf_counter() - start)
-        entropy_mean = (entropy * mask).sum() / mask.sum().clamp(min=1)
-        self.log_dict({f"train/{k}": v for k, v in result.metrics.items()}, on_step=False, on_epoch=True,
-                      sync_dist=True, batch_size=mask.shape[0])
-        self.log("train/entropy", entropy_mean, on_step=False, on_epoch=True, sync_dist=True,
-                 batch_size=mask.shape[0])
-        self.log("train/loss", result.loss.detach(), on_step=True, on_epoch=True, prog_bar=True,
-                 sync_dist=True, batch_size=mask.shape[0])
+        values = {f"train/{k}": v for k, v in result.metrics.items()}
+        values["train/entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
+        metrics = {name: values[name] for name in self._step_metric_names()}
+        self._log_step(metrics, result.loss.detach(), rows=mask.shape[0])
         self._backward_start = time.perf_counter()
         return loss
+
+    def _log_step(self, metrics: dict, loss, rows: int) -> None:
+        # Every rank reaches this in every step, also one whose rows were all skipped
+        # (weight 0), so the reduction inside is a collective all ranks take part in.
+        self.log_reduced(metrics, weight=rows)
+        self.log_reduced({"train/loss": loss}, weight=rows, prog_bar=True, on_step=True)
+
+    def _step_metric_names(self) -> list[str]:
+        """The metrics every training step logs, in a fixed order (the same on every rank)."""
+        kl = ["kl"] if self.hparams.beta > 0 else []
+        return [f"train/{k}" for k in (*CLIP_METRICS, *kl, "entropy")]
 
     def _rows_with_gradient(self, batch: dict) -> tuple[dict | None, float]:
         """Drop the rows whose gradient is exactly zero; return the rest and the loss scale.
@@ -245,7 +258,19 @@ class GRPOModule(PolicyModule):
     def on_after_backward(self) -> None:
         self._add_time("policy_backward", time.perf_counter() - self._backward_start)
 
+    def on_train_batch_end(self, outputs, batch: dict, batch_idx: int) -> None:
+        # The epoch's timings are complete after its last step (optimizer included);
+        # they are reduced here, where every rank is in step, not at epoch end.
+        if batch_idx + 1 == self.trainer.num_training_batches:
+            values = {f"time/{phase}": self.phase_seconds.get(phase, 0.0) for phase in _STEP_PHASES}
+            self.log_reduced({**values, "train/skipped_steps": float(self.guard.skipped)})
+
     # ---------------------------------------------------------------- logging
+    def on_fit_start(self) -> None:
+        # Trainer.log_dir is a broadcast: asked once here, where every rank asks,
+        # never in the epoch-end hooks that only rank 0 gets to write from.
+        self.log_dir = self.trainer.log_dir
+
     def on_train_epoch_start(self) -> None:
         self.phase_seconds = {}
 
@@ -261,21 +286,30 @@ class GRPOModule(PolicyModule):
         self.epoch_started = time.perf_counter()
 
     def evaluate(self) -> float:
-        """Greedy accuracy on the validation prompts (all ranks share the work)."""
-        datamodule = self.trainer.datamodule
-        rows = datamodule.val_rows[self.global_rank :: self.trainer.world_size]
+        """Greedy accuracy on the validation prompts (all ranks share the work).
+
+        Every rank answers the same number of batches (the last ranks' shares
+        are topped up with rows that weigh 0): under FSDP2 each batch gathers
+        the shards, a collective.
+        """
+        datamodule, rank, world = self.trainer.datamodule, self.global_rank, self.trainer.world_size
+        rows = datamodule.val_rows[rank::world]
+        weights = [1.0] * len(rows)
+        share = -(-len(datamodule.val_rows) // world)
+        rows += datamodule.val_rows[: share - len(rows)]
+        weights += [0.0] * (share - len(weights))
         metric = MeanMetric().to(self.device)
         size = datamodule.hparams.val_batch_size
-        for start in range(0, len(rows), size):
+        for start in range(0, share, size):
             batch = datamodule.collate_val(rows[start : start + size])
             completions = self.answer(batch["prompt_ids"], batch["prompt_mask"])
-            metric.update(datamodule.score_validation(batch["rows"], completions).to(self.device))
+            scores = datamodule.score_validation(batch["rows"], completions)
+            metric.update(scores.to(self.device), torch.tensor(weights[start : start + size], device=self.device))
         return float(metric.compute())
 
     def on_train_epoch_end(self) -> None:
-        self.log_dict({f"time/{k}": v for k, v in self.phase_seconds.items()}, on_step=False,
-                      on_epoch=True, sync_dist=True)
-        self.log("train/skipped_steps", float(self.guard.skipped), on_step=False, on_epoch=True)
+        # No collective here: only rank 0 reaches the progress bar's and our own
+        # rank-0 work, so everything logged was reduced in the steps already.
         self._write_samples()
         metrics = self.trainer.callback_metrics
         summary = f"epoch {self.current_epoch}: reward {float(metrics.get('reward/total', float('nan'))):.3f}"
@@ -288,10 +322,9 @@ class GRPOModule(PolicyModule):
 
     def _write_samples(self) -> None:
         samples = getattr(self.trainer.datamodule, "last_samples", [])[: self.hparams.log_samples]
-        log_dir = self.trainer.log_dir
-        if not samples or log_dir is None or self.global_rank != 0:
+        if not samples or self.log_dir is None or self.global_rank != 0:
             return
-        path = Path(log_dir) / "samples.jsonl"
+        path = Path(self.log_dir) / "samples.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a") as f:
             for prompt, completion, reward in samples:

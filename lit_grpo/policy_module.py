@@ -11,15 +11,19 @@ trainable weights, and exporting the adapter. Subclasses add the objective.
 from __future__ import annotations
 
 import contextlib
+import functools
+import re
 import time
-from collections.abc import Iterator
+import warnings
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torch.distributed.tensor import DTensor
 
-from lit_grpo.distributed import shard
+from lit_grpo.distributed import reduce_across_ranks, shard
 from lit_grpo.policy import PolicySpec, build_policy, load_tokenizer
 from lit_grpo.training_guard import NonFiniteGuard
 
@@ -117,6 +121,28 @@ class PolicyModule(L.LightningModule):
         optimizer.step()
         self._add_time("optimizer", time.perf_counter() - start)
 
+    # ---------------------------------------------------------------- logging
+    def log_reduced(self, values: Mapping[str, float | torch.Tensor], weight: float = 1.0,
+                    op: str = "mean", prog_bar: bool = False, on_step: bool = False) -> None:
+        """Log epoch metrics reduced over all ranks here and now (see :func:`reduce_across_ranks`).
+
+        A collective: every rank calls it at the same point with the same keys;
+        a rank with nothing to report passes ``weight=0``. The logged values
+        are the same on every rank, so they are logged without
+        ``sync_dist``, whose lazy epoch-end reduction runs only where a value
+        is read first (rank 0's progress bar) and deadlocks multi-process runs.
+        The epoch value is the mean over the epoch's calls weighted by the
+        total weight of each (``op="max"`` values are meant to be logged once
+        per epoch).
+        """
+        reduced, total = reduce_across_ranks(self.trainer.strategy, values, weight, op)
+        if total <= 0:  # nothing to report on any rank (the same decision everywhere)
+            return
+        for name in reduced:
+            _silence_sync_advice(name)
+        self.log_dict(reduced, on_step=on_step, on_epoch=True, prog_bar=prog_bar, sync_dist=False,
+                      batch_size=max(int(round(total)), 1))
+
     def _add_time(self, phase: str, seconds: float) -> None:
         self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds
 
@@ -132,12 +158,27 @@ class PolicyModule(L.LightningModule):
         """Write the trained policy as a standard PEFT adapter folder (+ tokenizer).
 
         ``PeftModel.from_pretrained(base_model, path)`` reloads it. Under full
-        fine-tuning the whole model is written instead.
+        fine-tuning the whole model is written instead. Call it on every rank:
+        FSDP2-sharded trainable weights are gathered first (a collective);
+        rank 0 writes.
         """
         path = Path(path)
-        self.policy.save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
+        state = None
+        if self.device_mesh is not None:
+            state = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
+                     for name, p in self.policy.named_parameters() if p.requires_grad}
+        if self.global_rank == 0:
+            self.policy.save_pretrained(path, state_dict=state)
+            self.tokenizer.save_pretrained(path)
         return path
+
+
+@functools.cache
+def _silence_sync_advice(name: str) -> None:
+    # Lightning advises sync_dist=True for every unsynced epoch metric under DDP;
+    # values logged through log_reduced are reduced already (syncing them again
+    # at read time is what deadlocks), so the advice is silenced for their names only.
+    warnings.filterwarnings("ignore", message=re.escape(f"It is recommended to use `self.log({name!r}"))
 
 
 def _keep_trainable(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:

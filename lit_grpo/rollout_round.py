@@ -22,6 +22,10 @@ from lit_grpo.objectives import group_advantages
 from lit_grpo.rollout import Rollout, generate
 
 
+# Rollout statistics whose value over all ranks is their maximum (the rest are means).
+MAX_STATS = ("completion/length_max",)
+
+
 @dataclass
 class RolloutResult:
     rows: dict[str, Tensor]

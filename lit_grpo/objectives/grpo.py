@@ -89,6 +89,8 @@ _LOSS_TYPES: dict[str, _Aggregation] = {
 # The accepted names, for callers that validate a config before any compute.
 LOSS_TYPES = tuple(_LOSS_TYPES)
 IMPORTANCE_LEVELS = tuple(_IMPORTANCE_LEVELS)
+# The clip statistics grpo_loss reports, in this order (see _clip_metrics).
+CLIP_METRICS = ("clip_ratio/low", "clip_ratio/high", "clip_ratio/region", "ratio/mean")
 
 
 def _check_choice(name: str, value: str, table: dict) -> None:
@@ -220,9 +222,5 @@ def _clip_metrics(
     # A < 0, above it for A > 0 (elsewhere min() picks the unclipped term).
     low = ((ratio < 1.0 - epsilon_low) & (adv < 0)).to(mask.dtype)  # [N, T]
     high = ((ratio > 1.0 + epsilon_high) & (adv > 0)).to(mask.dtype)  # [N, T]
-    return {
-        "clip_ratio/low": _masked_mean(low, mask),
-        "clip_ratio/high": _masked_mean(high, mask),
-        "clip_ratio/region": _masked_mean(low + high, mask),
-        "ratio/mean": _masked_mean(ratio, mask),
-    }
+    values = (low, high, low + high, ratio)
+    return {name: _masked_mean(value, mask) for name, value in zip(CLIP_METRICS, values)}
