@@ -16,10 +16,14 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lit_grpo.checkpointing import AtomicCheckpointIO
 from lit_grpo.data import OnPolicyDataModule
 from lit_grpo.module import GRPOModule
+from lit_grpo.multiprocess import (
+    end_child_processes, exit_on_signal, is_collective_failure, print_failure, set_collective_timeout,
+)
 
 
 class PolicyCli(LightningCLI):
@@ -28,6 +32,10 @@ class PolicyCli(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument("--export_adapter", type=str | None, default=None,
                             help="After fit, write the trained adapter (PEFT format) to this folder.")
+        parser.add_argument("--collective_timeout", type=float | None, default=None,
+                            help="Seconds one rank may wait in a collective before a multi-process run "
+                                 "fails with an error naming the hook (default 300 on CPUs, 1800 on GPUs, "
+                                 "unless the strategy sets its own timeout).")
 
     def instantiate_trainer(self, **kwargs) -> Trainer:
         """The Trainer, crash-safe by default: atomic checkpoint files and a ``last.ckpt``.
@@ -48,13 +56,16 @@ class PolicyCli(LightningCLI):
         ):
             root = Path(config.get("default_root_dir") or Path.cwd())
             kwargs["callbacks"] = [*callbacks, ModelCheckpoint(dirpath=root / "checkpoints", save_last=True)]
-        return super().instantiate_trainer(**kwargs)
+        trainer = super().instantiate_trainer(**kwargs)
+        set_collective_timeout(trainer.strategy, self._get(self.config, "collective_timeout"))
+        return trainer
 
     def after_fit(self) -> None:
-        path = self.config.get(self.subcommand, {}).get("export_adapter")
-        if path and self.trainer.is_global_zero:
+        path = self._get(self.config, "export_adapter")
+        if path:  # on every rank: gathering sharded weights is a collective
             self.model.export_adapter(path)
-            print(f"adapter written to {path}")
+            if self.trainer.is_global_zero:
+                print(f"adapter written to {path}")
 
 
 class GRPOCli(PolicyCli):
@@ -78,6 +89,18 @@ def main(args: list[str] | None = None) -> None:
 
         plot_main(argv[1:])
         return
+    exit_on_signal()
+    try:
+        _run(argv)
+    except Exception as error:
+        end_child_processes()  # the other ranks would wait for this one in their next collective
+        if not is_collective_failure(error):
+            raise
+        print_failure(error, rank_zero_only.rank)
+        sys.exit(1)
+
+
+def _run(argv: list[str]) -> None:
     if argv[:1] == ["dpo"]:
         from lit_grpo.dpo import DPOModule
         from lit_grpo.dpo_data import PreferenceDataModule
@@ -86,7 +109,6 @@ def main(args: list[str] | None = None) -> None:
                   parser_kwargs={"prog": "lit-grpo dpo"})
         return
     GRPOCli(GRPOModule, OnPolicyDataModule, args=argv, save_config_kwargs={"overwrite": True})
-
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,146 @@
+"""``lit-grpo fit`` on 2 processes exactly as users type it (issue 19).
+
+The real console script in a subprocess, DDP and FSDP2 (ModelParallelStrategy)
+on gloo, with everything a user has on: the progress bar, the CSV logger,
+``PlotCallback``, sample completions, checkpoints and the adapter export. A
+collective that only some ranks reach hangs there and nowhere else, so each
+run has a deadline: the test fails, it never hangs. The last two tests hang a
+run on purpose (rank 0 waits in a barrier the other rank never joins) and
+check that it ends: by the collective timeout with a line naming the hook, and
+by SIGTERM to rank 0.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.distributed
+ROOT = Path(__file__).parent.parent
+TESTS = Path(__file__).parent
+DEADLINE_S = 300  # a run here takes ~40 s; a hang is what takes longer
+
+
+def cli_args(tiny: str, root: Path, *extra: str) -> list[str]:
+    """Overrides that shrink a shipped config to the tiny model, 2 ranks, 2 epochs."""
+    return [
+        "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.max_epochs", "2",
+        "--trainer.check_val_every_n_epoch", "1", "--trainer.default_root_dir", str(root),
+        "--model.policy.name_or_path", tiny, "--model.policy.dtype", "float32",
+        "--data.prompts_per_epoch", "2", "--data.batch_size", "8", "--data.val_size", "4",
+        "--data.sampling.max_new_tokens", "8",
+        # A random model never answers right; the text length still differs within a group.
+        "--data.rewards", json.dumps([{"class_path": "lit_grpo.rewards.FromCallable",
+                                       "init_args": {"function": "distributed_worker.text_length"}}]),
+        "--export_adapter", str(root / "adapter"), "--collective_timeout", "60", *extra,
+    ]
+
+
+def start(args: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen([shutil.which("lit-grpo"), "fit", *args], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish(process: subprocess.Popen, deadline_s: float = DEADLINE_S) -> tuple[int, str]:
+    """Wait for the run and for every rank it started; kill and fail past the deadline."""
+    try:
+        output, _ = process.communicate(timeout=deadline_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"lit-grpo fit still running after {deadline_s} s (a hang):\n{output[-6000:]}")
+    assert ranks_gone(process.pid), f"a rank outlived rank 0:\n{output[-3000:]}"
+    return process.returncode, output
+
+
+def ranks_gone(group: int, wait_s: float = 30.0) -> bool:
+    end = time.monotonic() + wait_s
+    while time.monotonic() < end:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.5)
+    os.killpg(group, signal.SIGKILL)
+    return False
+
+
+def assert_outputs(root: Path, output: str) -> None:
+    """What a user finds after the run: curves, metrics, samples, checkpoints, the adapter."""
+    run = next((root / "lightning_logs").iterdir())
+    rows = list(csv.DictReader((run / "metrics.csv").open()))
+    for name in ("train/loss_epoch", "train/kl", "reward/total", "val/accuracy", "time/policy_backward"):
+        epochs = {row["epoch"] for row in rows if row.get(name)}
+        assert {"0", "1"} <= epochs, (name, epochs)
+    assert (run / "curves.png").stat().st_size > 0
+    assert {json.loads(line)["epoch"] for line in (run / "samples.jsonl").read_text().splitlines()} == {0, 1}
+    assert (root / "checkpoints" / "last.ckpt").exists()
+    adapter = load_file(root / "adapter" / "adapter_model.safetensors")
+    lora_b = [t for name, t in adapter.items() if "lora_B" in name]
+    # Full (gathered) shapes, and trained: lora_B starts at zero.
+    assert lora_b and all(t.shape[1] == 16 for t in lora_b) and any(t.abs().max() > 0 for t in lora_b)
+    assert "epoch 1:" in output and "adapter written to" in output
+
+
+def test_ddp_cli_run_as_users_type_it(tiny_model_dir, tmp_path):
+    code, output = finish(start(["--config", "configs/quickstart.yaml", "--trainer.strategy", "ddp",
+                                 *cli_args(tiny_model_dir, tmp_path, "--trainer.logger.init_args.save_dir",
+                                           str(tmp_path))]))
+    assert code == 0, output[-6000:]
+    assert_outputs(tmp_path, output)
+
+
+def test_fsdp2_cli_run_with_the_shipped_config(tiny_model_dir, tmp_path):
+    # configs/fsdp.yaml is written for GPUs and a hub dataset; only what a CPU run
+    # must change is overridden, the strategy and its device mesh stay as shipped.
+    code, output = finish(start([
+        "--config", "configs/fsdp.yaml", "--trainer.precision", "32-true",
+        "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(tmp_path),
+        "--trainer.callbacks+=lit_grpo.plots.PlotCallback",
+        "--data.source", "arithmetic", "--data.val_split", "null", "--data.columns", "null",
+        "--data.prompt_template", "{prompt}", "--model.policy.gradient_checkpointing", "false",
+        "--model.policy.lora.r", "16", *cli_args(tiny_model_dir, tmp_path),
+    ]))
+    assert code == 0, output[-6000:]
+    assert_outputs(tmp_path, output)
+    assert list((tmp_path / "checkpoints" / "last.ckpt").glob("*.distcp"))  # sharded, as FSDP2 saves
+
+
+def stalled_run(tiny: str, root: Path, *extra: str) -> subprocess.Popen:
+    return start(["--config", "configs/quickstart.yaml", "--trainer.strategy", "ddp",
+                  *cli_args(tiny, root, "--trainer.callbacks+=stalling_rank.StallingRank", *extra)])
+
+
+def test_a_rank_conditional_collective_ends_in_an_error_naming_the_hook(tiny_model_dir, tmp_path):
+    code, output = finish(stalled_run(tiny_model_dir, tmp_path, "--collective_timeout", "15"))
+    assert code == 1
+    last = output.strip().splitlines()[-1]
+    assert last.startswith("lit-grpo: rank 0: a collective failed in StallingRank.on_train_epoch_end"), last
+    assert "Timed out" in last and "stalling_rank.py" in last
+
+
+def test_sigterm_ends_every_rank_even_inside_a_collective(tiny_model_dir, tmp_path):
+    marker = tmp_path / "rank0-in-barrier"
+    process = stalled_run(tiny_model_dir, tmp_path, "--trainer.callbacks.marker", str(marker))
+    end = time.monotonic() + DEADLINE_S
+    while not marker.exists() and process.poll() is None and time.monotonic() < end:
+        time.sleep(0.5)
+    assert marker.exists(), "rank 0 never reached the barrier"
+    time.sleep(1.0)  # inside the barrier now: no Python code of rank 0 runs until it returns
+    sent = time.monotonic()
+    process.send_signal(signal.SIGTERM)  # rank 0 only, as `kill PID` does
+    code, output = finish(process, deadline_s=60)
+    assert code == 128 + signal.SIGTERM, output[-3000:]
+    assert time.monotonic() - sent < 40
+    assert "ending this process and its child ranks" in output
