@@ -11,7 +11,7 @@ import lightning as L
 
 
 class StallingRank(L.Callback):
-    """At the end of the first training epoch rank 0 enters a barrier; the others sleep.
+    """At the end of a training epoch rank 0 enters a barrier; the others sleep.
 
     Args:
         seconds: How long the other ranks sleep (longer than the test waits).
