@@ -38,6 +38,8 @@ class RolloutBuffer(IterableDataset):
         token_counts: Callable reducing a ``[steps]`` tensor of token counts
             across ranks (sum); identity on one process.
         temperature: Sampling temperature, passed to the objective.
+        start: Micro-batches already trained on (a run resumed inside the
+            epoch); iteration begins after them.
     """
 
     def __init__(
@@ -49,8 +51,9 @@ class RolloutBuffer(IterableDataset):
         generator: torch.Generator,
         token_counts,
         temperature: float,
+        start: int = 0,
     ) -> None:
-        self.rows = rows
+        self.rows, self.start = rows, start
         n = rows["advantages"].shape[0]
         order = [torch.randperm(n, generator=generator) for _ in range(num_iterations)]
         self.batches = [pass_order[i : i + batch_size] for pass_order in order for i in range(0, n, batch_size)]
@@ -68,10 +71,11 @@ class RolloutBuffer(IterableDataset):
         return len(self.batches)
 
     def __iter__(self):
-        for i, idx in enumerate(self.batches):
+        for i, idx in enumerate(self.batches[self.start :], start=self.start):
             batch = _trim({key: value[idx] for key, value in self.rows.items()})
             batch["num_items"] = self.num_items[i]
             batch["temperature"] = self.temperature
+            batch["micro_batch"] = i  # its place in the epoch, whatever a resumed run's loop counts
             yield batch
 
 

@@ -9,8 +9,11 @@ the result as micro-batches. Under DDP/FSDP every rank does this for its own
 share of the prompts; a group never spans ranks.
 
 Randomness is a pure function of ``(seed, epoch, rank)``: the sampling RNG is
-re-seeded at each rollout, so a run resumed from a checkpoint regenerates
-exactly the rollouts the uninterrupted run would have.
+re-seeded at each rollout (and the global RNG at each micro-batch), so a run
+resumed from an end-of-epoch checkpoint regenerates exactly the rollouts the
+uninterrupted run would have. A checkpoint saved inside an epoch carries that
+epoch's rollout (every rank's), and the resumed run trains on the micro-batches
+that were still to come.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from torch.utils.data import DataLoader
 from lit_grpo.buffer import OnDemand, RolloutBuffer
 from lit_grpo.rewards import Accuracy, Format, Reward, RewardCombiner
 from lit_grpo.rollout import SamplingSpec, encode_prompts
-from lit_grpo.rollout_round import collect_rollout
+from lit_grpo.distributed import gather_to_rank_zero
+from lit_grpo.rollout_round import RolloutResult, collect_rollout
 from lit_grpo.sources import load_rows, rename_columns
 
 
@@ -111,8 +115,10 @@ class OnPolicyDataModule(L.LightningDataModule):
         self.rollout_epoch = -1  # last epoch whose rollout consumed prompts
         self.train_rows: list[dict] = []
         self.val_rows: list[dict] = []
-        self.last_stats: dict[str, float] = {}
-        self.last_samples: list[tuple[str, str, float]] = []
+        self.last_result: RolloutResult | None = None  # this epoch's rollout
+        self.trained = 0  # its micro-batches trained on so far
+        self.stats_pending = False  # its statistics are still to be logged
+        self.restored: dict | None = None  # a rollout restored from a checkpoint saved inside its epoch
 
     # ----------------------------------------------------------------- set-up
     def setup(self, stage: str | None = None) -> None:
@@ -206,41 +212,81 @@ class OnPolicyDataModule(L.LightningDataModule):
         return taken
 
     # ---------------------------------------------------------------- loaders
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per epoch on each rank (``num_iterations`` passes over the rollout)."""
+        return self.hparams.num_iterations * self.prompts_per_rank * self.sampling.group_size // self.hparams.batch_size
+
     def train_dataloader(self) -> DataLoader:
         # The rollout runs when the loader is first iterated, not here: Lightning
         # may ask for a loader it never iterates (on resume it asks once for the
         # finished epoch and once for the next), and the epoch number is only
         # right at iteration time.
-        rows = self.prompts_per_rank * self.sampling.group_size
-        batches = self.hparams.num_iterations * rows // self.hparams.batch_size
-        return DataLoader(OnDemand(self.rollout_buffer, batches), batch_size=None)
+        return DataLoader(OnDemand(self.rollout_buffer, self.micro_batches), batch_size=None)
 
     def rollout_buffer(self) -> RolloutBuffer | None:
         """Run this epoch's rollout round and wrap it as micro-batches.
 
-        Returns ``None`` for an epoch whose rollout already ran and was trained
-        on: a run resumed from an end-of-epoch checkpoint first peeks at the
-        finished epoch's loader, and must not consume prompts for it again.
+        A run resumed from a checkpoint saved inside this epoch gets the
+        epoch's rollout back from the checkpoint instead, and its buffer starts
+        after the micro-batches already trained on. Returns ``None`` for an
+        epoch whose rollout already ran and was trained on: a run resumed from
+        an end-of-epoch checkpoint first peeks at the finished epoch's loader,
+        and must not consume prompts for it again.
         """
         trainer = self.trainer
-        if trainer.current_epoch <= self.rollout_epoch:
+        epoch, rank = trainer.current_epoch, trainer.global_rank
+        restored, self.restored = self.restored, None
+        start = 0
+        if restored is not None and restored["epoch"] == epoch:
+            result, start = RolloutResult(**restored["ranks"][rank]), restored["trained"]
+        elif epoch <= self.rollout_epoch:
             return None
-        self.rollout_epoch = trainer.current_epoch
-        module = trainer.lightning_module
-        rank = trainer.global_rank
-        seed = hash((self.hparams.seed, trainer.current_epoch, rank)) % 2**31
-        torch.manual_seed(seed)  # sampling and dropout of this epoch follow from (seed, epoch, rank)
-        result = collect_rollout(self, module, rank)
-        self.last_stats, self.last_samples = result.stats, result.samples
+        else:
+            self.rollout_epoch = epoch
+            torch.manual_seed(self._seed(epoch, rank))  # sampling follows from (seed, epoch, rank)
+            result = collect_rollout(self, trainer.lightning_module, rank)
+        self.last_result, self.stats_pending, self.trained = result, True, start
         return RolloutBuffer(
             result.rows,
             batch_size=self.hparams.batch_size,
             num_iterations=self.hparams.num_iterations,
             accumulate=trainer.accumulate_grad_batches,
-            generator=torch.Generator().manual_seed(seed),
+            generator=torch.Generator().manual_seed(self._seed(epoch, rank)),
             token_counts=lambda t: trainer.strategy.reduce(t, reduce_op="sum"),
             temperature=self.sampling.temperature,
+            start=start,
         )
+
+    @property
+    def last_stats(self) -> dict[str, float]:
+        """The latest rollout's statistics (reward, lengths, timings, ...)."""
+        return self.last_result.stats if self.last_result else {}
+
+    def take_stats(self) -> dict[str, float]:
+        """The current rollout's statistics the first time they are asked for, then ``{}``.
+
+        The training step logs them once per rollout, also when a resumed run
+        restored the rollout from a checkpoint.
+        """
+        pending, self.stats_pending = self.stats_pending, False
+        return self.last_result.stats if pending and self.last_result else {}
+
+    def begin_micro_batch(self, index: int) -> None:
+        """Micro-batch ``index`` of the epoch's rollout starts training.
+
+        Seeds the global RNG (dropout) from ``(seed, epoch, rank, index)``, so
+        a run resumed inside an epoch trains each remaining micro-batch with
+        the same random numbers as the uninterrupted run, and records the
+        position a checkpoint saved after this micro-batch resumes from. Both
+        use the buffer's own count: after some resumes Lightning's batch index
+        restarts at 0 inside an epoch.
+        """
+        torch.manual_seed(self._seed(self.rollout_epoch, self.trainer.global_rank, index))
+        self.trained = index + 1
+
+    def _seed(self, *parts: int) -> int:
+        return hash((self.hparams.seed, *parts)) % 2**31
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_rows, batch_size=self.hparams.val_batch_size, collate_fn=self.collate_val)
@@ -259,11 +305,30 @@ class OnPolicyDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
-        return {"position": self.position, "passes": self.passes, "rollout_epoch": self.rollout_epoch}
+        """Prompt position, and inside an epoch that epoch's rollout (every rank's).
+
+        Called on every rank when a checkpoint is saved, so it gathers the
+        rollouts of all ranks into the one checkpoint rank 0 writes (a collective).
+        """
+        state = {"position": self.position, "passes": self.passes, "rollout_epoch": self.rollout_epoch}
+        trainer = self.trainer
+        if self.last_result is not None and 0 < self.trained < self.micro_batches:
+            state["rollout"] = {"epoch": self.rollout_epoch, "trained": self.trained,
+                                "ranks": gather_to_rank_zero(vars(self.last_result), trainer.world_size)}
+        return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.position, self.passes = state_dict["position"], state_dict["passes"]
         self.rollout_epoch = state_dict.get("rollout_epoch", -1)
+        self.restored = state_dict.get("rollout")
+        world = self.trainer.world_size if self.trainer else 1
+        if self.restored is not None and len(self.restored["ranks"]) != world:
+            raise ValueError(
+                f"the checkpoint was saved inside epoch {self.restored['epoch']} by "
+                f"{len(self.restored['ranks'])} process(es) and holds their rollouts; resume it with "
+                f"trainer.devices x num_nodes = {len(self.restored['ranks'])} (now {world}), or from an "
+                "end-of-epoch checkpoint."
+            )
 
 
 def chat_prompts(tokenizer, prompts: list[str], system_prompt: str | None, prompt_template: str) -> list[str]:

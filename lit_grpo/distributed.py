@@ -116,3 +116,15 @@ def reduce_across_ranks(
     total = strategy.reduce(packed.to(strategy.root_device), reduce_op="sum").cpu()
     means = (total[:-1] / total[-1]).tolist() if total[-1] > 0 else [float("nan")] * len(values)
     return dict(zip(values, means)), float(total[-1])
+
+
+def gather_to_rank_zero(obj, world_size: int) -> list | None:
+    """Every rank's picklable ``obj`` in rank order on rank 0, ``None`` elsewhere.
+
+    A collective (every rank calls it); on one process it is ``[obj]``.
+    """
+    if world_size == 1 or not torch.distributed.is_initialized():
+        return [obj]
+    gathered_objects = [None] * world_size if torch.distributed.get_rank() == 0 else None
+    torch.distributed.gather_object(obj, gathered_objects, dst=0)
+    return gathered_objects

@@ -179,8 +179,8 @@ class GRPOModule(PolicyModule):
     # --------------------------------------------------------------- training
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         hp = self.hparams
-        if batch_idx == 0:  # the epoch's rollout has just run (the loader builds it on first use)
-            stats = self.trainer.datamodule.last_stats
+        stats = self.trainer.datamodule.take_stats()  # once per rollout (the loader builds it on first use)
+        if stats:
             self.log_reduced({k: v for k, v in stats.items() if k not in MAX_STATS})
             self.log_reduced({k: stats[k] for k in MAX_STATS}, op="max")
         start = time.perf_counter()
@@ -255,13 +255,16 @@ class GRPOModule(PolicyModule):
                 for k, v in batch.items()}
         return kept, scale
 
+    def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
+        self.trainer.datamodule.begin_micro_batch(batch["micro_batch"])
+
     def on_after_backward(self) -> None:
         self._add_time("policy_backward", time.perf_counter() - self._backward_start)
 
     def on_train_batch_end(self, outputs, batch: dict, batch_idx: int) -> None:
         # The epoch's timings are complete after its last step (optimizer included);
         # they are reduced here, where every rank is in step, not at epoch end.
-        if batch_idx + 1 == self.trainer.num_training_batches:
+        if batch["micro_batch"] + 1 == self.trainer.datamodule.micro_batches:
             values = {f"time/{phase}": self.phase_seconds.get(phase, 0.0) for phase in _STEP_PHASES}
             self.log_reduced({**values, "train/skipped_steps": float(self.guard.skipped)})
 
@@ -321,7 +324,8 @@ class GRPOModule(PolicyModule):
         self.epoch_started = time.perf_counter()
 
     def _write_samples(self) -> None:
-        samples = getattr(self.trainer.datamodule, "last_samples", [])[: self.hparams.log_samples]
+        result = self.trainer.datamodule.last_result
+        samples = result.samples[: self.hparams.log_samples] if result else []
         if not samples or self.log_dir is None or self.global_rank != 0:
             return
         path = Path(self.log_dir) / "samples.jsonl"

@@ -7,7 +7,9 @@ for DDP, its trainable weights to ``OUT/<run>-rank<r>.pt``.
 
 ``--strategy fsdp`` also saves a sharded checkpoint every epoch, then fits
 again in a fresh Trainer from the first epoch's checkpoint (run ``resumed``),
-which must replay the second epoch exactly.
+which must replay the second epoch exactly. ``--strategy ddp`` saves a
+checkpoint after every step and fits again from the one saved inside epoch 0
+(run ``ddp-resumed``), which must end with the same weights.
 """
 
 from __future__ import annotations
@@ -85,11 +87,14 @@ def fit(args, run: str, max_epochs: int, ckpt_path: str | None = None) -> None:
     callbacks: list[L.Callback] = [Recorder(args.out, run)]
     if fsdp:
         callbacks.append(ModelCheckpoint(dirpath=args.out / "ckpt", filename="{epoch}", save_top_k=-1))
+    else:  # after every step: each rank trains 2 micro-batches per epoch, so step 1 is inside epoch 0
+        callbacks.append(ModelCheckpoint(dirpath=args.out / "ckpt", filename="{epoch}-{step}", save_top_k=-1,
+                                         every_n_train_steps=1))
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_epochs=max_epochs,
         strategy=ModelParallelStrategy() if fsdp else "ddp",
         reload_dataloaders_every_n_epochs=1, num_sanity_val_steps=0, logger=False,
-        enable_checkpointing=fsdp, enable_progress_bar=False, enable_model_summary=False,
+        enable_progress_bar=False, enable_model_summary=False,
         callbacks=callbacks, default_root_dir=args.out,
     )
     trainer.fit(module, data, ckpt_path=ckpt_path)
@@ -104,6 +109,8 @@ def main() -> None:
     fit(args, args.strategy, max_epochs=2)
     if args.strategy == "fsdp":
         fit(args, "resumed", max_epochs=2, ckpt_path=str(args.out / "ckpt" / "epoch=0.ckpt"))
+    else:
+        fit(args, "ddp-resumed", max_epochs=2, ckpt_path=str(args.out / "ckpt" / "epoch=0-step=1.ckpt"))
 
 
 if __name__ == "__main__":

@@ -51,6 +51,13 @@ def test_ddp_trains_and_keeps_ranks_in_sync(tiny_model_dir, tmp_path):
     assert lora_b and any(rank0[name].abs().max() > 0 for name in lora_b)
     for name in rank0:
         assert torch.equal(rank0[name], rank1[name]), name
+    # Resumed from the checkpoint saved inside epoch 0 (each rank's rollout came back
+    # from rank 0's file), the run ends with the uninterrupted run's weights, bitwise.
+    for rank in (0, 1):
+        resumed = torch.load(tmp_path / f"ddp-resumed-rank{rank}.pt")
+        assert resumed.keys() == rank0.keys()
+        for name in rank0:
+            assert torch.equal(resumed[name], rank0[name]), (rank, name)
 
 
 def test_fsdp2_trains_and_resumes_from_a_sharded_checkpoint(tiny_model_dir, tmp_path):

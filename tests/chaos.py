@@ -1,0 +1,101 @@
+"""A callback for tests/test_chaos.py: SIGKILL its own process at one chosen moment.
+
+Each phase is a real point in a run: inside a rollout's decoding loop, inside
+``backward``, half-way through writing a checkpoint file, before an optimizer
+step, and half-way through writing the exported adapter. Also the reward the
+chaos runs train on (the tiny random model never answers right).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+
+import lightning as L
+import peft.peft_model
+import torch
+from safetensors.torch import save as safetensors_bytes
+
+import lit_grpo.checkpointing
+import lit_grpo.rollout
+
+
+def letter_share(prompts, completions, **columns):
+    return [sum(ch.isalpha() for ch in text) / max(len(text), 1) for text in completions]
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def write_half_then_die(write_whole, f) -> None:
+    """Write the first half of what ``write_whole(buffer)`` serialises to ``f``, sync it, die."""
+    buffer = io.BytesIO()
+    write_whole(buffer)
+    data = buffer.getvalue()
+    f.write(data[: len(data) // 2])
+    f.flush()
+    os.fsync(f.fileno())
+    die()
+
+
+class Chaos(L.Callback):
+    """Kill this process at ``phase`` in ``epoch``, at micro-batch / decoding step / global step ``index``.
+
+    Args:
+        phase: ``rollout`` (decoding step ``index`` of the epoch's rollout),
+            ``backward`` (inside backward of micro-batch ``index``),
+            ``optimizer`` (before the optimizer step after micro-batch ``index``),
+            ``checkpoint`` (half-way through writing the checkpoint of global
+            step ``index``), ``export`` (half-way through the adapter file).
+        epoch: The epoch in which to strike (not used by ``checkpoint``/``export``).
+        index: See ``phase``.
+    """
+
+    def __init__(self, phase: str, epoch: int = 0, index: int = 0) -> None:
+        self.phase, self.epoch, self.index = phase, epoch, index
+        self.batch_idx = -1
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.phase == "rollout":
+            sample, draws = lit_grpo.rollout.sample, []
+
+            def counting_sample(probs, generator=None):
+                if trainer.current_epoch == self.epoch:
+                    draws.append(1)
+                    if len(draws) > self.index:
+                        die()
+                return sample(probs, generator)
+
+            lit_grpo.rollout.sample = counting_sample
+        elif self.phase == "checkpoint":
+            save = torch.save
+
+            def half_save(obj, f, *args, **kwargs):
+                if trainer.global_step == self.index:
+                    write_half_then_die(lambda buffer: save(obj, buffer, *args, **kwargs), f)
+                save(obj, f, *args, **kwargs)
+
+            lit_grpo.checkpointing.torch.save = half_save  # the torch.save of atomic_torch_save
+        elif self.phase == "export":
+            def half_save_file(tensors, filename, metadata=None):
+                with open(filename, "wb") as f:
+                    write_half_then_die(lambda buffer: buffer.write(safetensors_bytes(tensors, metadata)), f)
+
+            peft.peft_model.safe_save_file = half_save_file
+
+    def _here(self, trainer: L.Trainer, phase: str) -> bool:
+        return self.phase == phase and trainer.current_epoch == self.epoch and self.batch_idx == self.index
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.batch_idx = batch_idx
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if self._here(trainer, "backward"):
+            parameter = next(p for p in pl_module.parameters() if p.requires_grad)
+            parameter.register_hook(lambda grad: die())  # fires while backward runs
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self._here(trainer, "optimizer"):
+            die()
