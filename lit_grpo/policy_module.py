@@ -143,6 +143,17 @@ class PolicyModule(L.LightningModule):
         self.log_dict(reduced, on_step=on_step, on_epoch=True, prog_bar=prog_bar, sync_dist=False,
                       batch_size=max(int(round(total)), 1))
 
+    def lr_scheduler_step(self, scheduler, metric) -> None:
+        """Step the LR schedule only after an optimizer step that was taken.
+
+        Lightning steps a per-step scheduler after every optimizer step it
+        called; one the non-finite guard skipped must not move the schedule.
+        """
+        per_step = any(c.scheduler is scheduler and c.interval == "step" for c in self.trainer.lr_scheduler_configs)
+        if per_step and self.guard.consecutive:  # the optimizer step just before was skipped
+            return
+        super().lr_scheduler_step(scheduler, metric)
+
     def _add_time(self, phase: str, seconds: float) -> None:
         self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds
 

@@ -43,8 +43,11 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_training(tmp_path, tiny_mo
     # (which resets the run of consecutive skips).
     # Epoch 1: every micro-batch is NaN -> 2 skips in a row = max_nonfinite_steps -> error.
     poison = {(0, 0)} | {(1, b) for b in range(4)}
+    # The LR halves with every optimizer step taken (a per-step schedule).
     module = PoisonedGRPO(poison, policy=PolicySpec(name_or_path=tiny_model_dir), max_nonfinite_steps=2,
-                          progress=False, validate_before_training=False)
+                          progress=False, validate_before_training=False,
+                          optimizer=lambda params: torch.optim.AdamW(params, lr=1e-4),
+                          scheduler=lambda optimizer: torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.5))
     data = OnPolicyDataModule(train_size=40, val_size=4, prompts_per_epoch=2, batch_size=2,
                               sampling=SamplingSpec(group_size=4, max_new_tokens=4), rewards=[Accuracy()])
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
@@ -58,9 +61,11 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_training(tmp_path, tiny_mo
 
     assert module.guard.skipped == 3
     assert trainer.callback_metrics["train/skipped_steps"] == 1  # logged at the end of epoch 0
-    # Lightning counts a skipped step in global_step (and steps a per-step LR scheduler),
-    # like an AMP step skipped for inf: the schedule does not stretch around skips.
+    # Lightning counts a skipped step in global_step, like an AMP step skipped for inf,
+    # but the per-step LR schedule only moves with the steps taken: 1 of 3.
     assert trainer.global_step == 3
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 1
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(5e-5)
 
     saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
     assert (saved["epoch"], saved["global_step"]) == (0, 2)  # the last good checkpoint, intact
