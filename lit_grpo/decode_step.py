@@ -37,6 +37,8 @@ import functools
 import torch
 from torch import Tensor, nn
 
+from lit_grpo.kv_cache import with_cache
+
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 """``config.model_type`` values whose decoder layer is Llama's."""
 
@@ -57,7 +59,7 @@ class ModelStep:
         """Logits ``[n, V]`` after feeding ``tokens [n]`` at ``positions [n]``."""
         self.attention = torch.cat([self.attention, self.attention.new_ones(len(tokens), 1)], dim=1)
         return self.model(input_ids=tokens[:, None], attention_mask=self.attention, position_ids=positions[:, None],
-                          cache=self.cache, use_cache=True).logits[:, -1]
+                          **with_cache(self.cache), use_cache=True).logits[:, -1]
 
     def select(self, rows: Tensor) -> None:
         """Keep only ``rows`` (finished ones leave the batch)."""

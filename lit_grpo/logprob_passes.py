@@ -141,6 +141,8 @@ def _shared_prompt_logits(model, prompts, inverse, prompt_mask, completion_ids, 
     """
     from transformers import DynamicCache
 
+    from lit_grpo.kv_cache import with_cache
+
     P = prompt_mask.shape[1]
     unique_ids, unique_mask = prompts[:, :P], prompts[:, P:]  # [U, P] each
     cache = DynamicCache()
@@ -148,7 +150,7 @@ def _shared_prompt_logits(model, prompts, inverse, prompt_mask, completion_ids, 
         input_ids=unique_ids,
         attention_mask=unique_mask,
         position_ids=(unique_mask.cumsum(-1) - 1).clamp(min=0),
-        cache=cache,
+        **with_cache(cache),
         use_cache=True,
         logits_to_keep=1,
     ).logits  # [U, 1, V]
@@ -163,7 +165,7 @@ def _shared_prompt_logits(model, prompts, inverse, prompt_mask, completion_ids, 
             input_ids=completion_ids[rows, :width],
             attention_mask=torch.cat([prompt_mask[rows], completion_mask[rows, :width]], dim=1),
             position_ids=prompt_mask[rows].sum(-1, keepdim=True) + torch.arange(width, device=rows.device),
-            cache=_cache_rows(cache, inverse[rows]),  # backward sums over each prompt's rows
+            **with_cache(_cache_rows(cache, inverse[rows])),  # backward sums over each prompt's rows
             use_cache=True,
             logits_to_keep=_positions(0, width - 1, rows.device),
         ).logits))  # [n, width - 1, V]

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from lit_grpo.distributed import reduce_across_ranks, shard
 from lit_grpo.policy import PolicySpec, build_policy, load_tokenizer
+from lit_grpo.strategies import check_strategy
 from lit_grpo.training_guard import NonFiniteGuard
 
 
@@ -67,6 +68,9 @@ class PolicyModule(L.LightningModule):
         self.phase_seconds: dict[str, float] = {}
 
     # ------------------------------------------------------------------ model
+    def setup(self, stage: str) -> None:
+        check_strategy(self.trainer)  # before configure_model loads any weights
+
     def configure_model(self) -> None:
         """Load the policy once (Lightning may call this more than once); shard it under FSDP2."""
         if self.policy is None:

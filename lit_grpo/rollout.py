@@ -29,6 +29,9 @@ class SamplingSpec:
         top_k: Keep only the k most likely tokens; 0 disables it.
         max_new_tokens: Longest completion, in tokens.
         mask_truncated: Drop completions that never produced EOS from the loss.
+        ignore_eos: Never end a completion at EOS: every row samples
+            ``max_new_tokens`` tokens and all of them count (fixed-length
+            rollouts, e.g. to measure speed on a randomly initialised model).
     """
 
     group_size: int = 8
@@ -37,6 +40,7 @@ class SamplingSpec:
     top_k: int = 0
     max_new_tokens: int = 64
     mask_truncated: bool = False
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if self.group_size < 2:
@@ -52,6 +56,9 @@ class SamplingSpec:
             raise ValueError(f"sampling.top_k={self.top_k}; expected >= 0 (0 disables it).")
         if self.max_new_tokens < 1:
             raise ValueError(f"sampling.max_new_tokens={self.max_new_tokens}; expected >= 1.")
+        if self.ignore_eos and self.mask_truncated:
+            raise ValueError("sampling.mask_truncated=True with sampling.ignore_eos=True would drop every "
+                             "completion from the loss (none ends at EOS); set one of them to false.")
 
 
 @dataclass
@@ -81,7 +88,8 @@ def eos_ids(tokenizer, model: nn.Module) -> list[int]:
 
 def completion_mask(completion_ids: Tensor, eos: list[int]) -> tuple[Tensor, Tensor]:
     """Mask of real completion tokens (through the first EOS) and the truncated flags."""
-    is_eos = torch.isin(completion_ids, torch.tensor(eos, device=completion_ids.device))  # [N, C]
+    eos = torch.tensor(eos, dtype=completion_ids.dtype, device=completion_ids.device)  # may be empty (ignore_eos)
+    is_eos = torch.isin(completion_ids, eos)  # [N, C]
     seen_before = is_eos.cumsum(-1) - is_eos.long()  # EOS tokens strictly before t
     mask = (seen_before == 0).long()  # [N, C]
     truncated = ~is_eos.any(-1)  # [N]
@@ -166,7 +174,7 @@ def generate(
     repeat = repeat or (1 if greedy else sampling.group_size)
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)  # [B, P]
-    eos = torch.tensor(eos_ids(tokenizer, model), device=device)
+    eos = torch.tensor([] if sampling.ignore_eos else eos_ids(tokenizer, model), dtype=torch.long, device=device)
     was_training = model.training
     model.eval()
     start = time.perf_counter()
@@ -191,6 +199,7 @@ def _decode(model, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, pad, 
     from transformers import DynamicCache
 
     from lit_grpo.decode_step import LlamaStep, ModelStep, llama_step_applies
+    from lit_grpo.kv_cache import with_cache
 
     n = prompt_ids.shape[0] * repeat
     tokens = torch.full((n, sampling.max_new_tokens), pad, dtype=torch.long, device=prompt_ids.device)
@@ -198,7 +207,7 @@ def _decode(model, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, pad, 
     positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]: left padding shifts starts
     cache = DynamicCache()
     logits = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions,
-                   cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
+                   **with_cache(cache), use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
     if repeat > 1:  # the samples of one prompt share its prefill
         cache.batch_repeat_interleave(repeat)
         logits = logits.repeat_interleave(repeat, 0)  # [n, V]

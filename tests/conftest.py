@@ -15,6 +15,16 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Skip tests marked ``gpu`` where no CUDA device is (``scripts/gpu_check.sh`` runs them where one is)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
 def build_tiny_model(tokenizer, seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -9,6 +9,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralCon
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from lit_grpo.decode_step import LlamaStep, Matmul, ModelStep, can_pack, llama_step_applies
+from lit_grpo.kv_cache import with_cache
 from lit_grpo.merged import MergedPolicy
 
 SIZES = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -24,7 +25,8 @@ def prefill(model, ids, mask):
     cache = DynamicCache()
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache).logits[:, -1]
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                       **with_cache(cache)).logits[:, -1]
     return cache, positions[:, -1] + 1, logits
 
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from lit_grpo.kv_cache import with_cache
 from lit_grpo.merged import MergedPolicy, can_merge
 from lit_grpo.objectives import token_entropy, token_logprobs
 from lit_grpo.logprob_passes import _full_logits, _fusable_head, completion_logprobs, length_buckets
@@ -48,6 +49,30 @@ def test_greedy_decoding_matches_hf_generate_and_each_prompt_is_prefilled_once(t
     repeated = generate(model, tokenizer, ids, mask, sampling, greedy=True, repeat=3)  # one prefill per prompt
     assert torch.equal(repeated.completion_ids, ours.completion_ids.repeat_interleave(3, 0))
     assert torch.equal(repeated.prompt_ids, ids.repeat_interleave(3, 0))
+
+
+def test_ignore_eos_samples_every_completion_to_full_length(tiny):
+    model, tokenizer = tiny
+    ids, mask = prompts(tokenizer)
+    free = generate(model, tokenizer, ids, mask, SamplingSpec(max_new_tokens=6), greedy=True)
+    assert free.lengths.tolist() == [6, 6]  # the random model never says EOS on its own
+    model.generation_config.eos_token_id = int(free.completion_ids[0, 0])  # row 0's first token now ends it
+    assert generate(model, tokenizer, ids, mask, SamplingSpec(max_new_tokens=6), greedy=True).lengths[0] == 1
+    full = generate(model, tokenizer, ids, mask, SamplingSpec(max_new_tokens=6, ignore_eos=True), greedy=True)
+    assert full.lengths.tolist() == [6, 6] and bool(full.truncated.all())
+    assert torch.equal(full.completion_ids, free.completion_ids)  # the same tokens, EOS among them or not
+    with pytest.raises(ValueError, match="ignore_eos"):
+        SamplingSpec(ignore_eos=True, mask_truncated=True)
+
+
+def test_the_model_fills_the_cache_it_is_handed(tiny):
+    """Under the argument name its transformers version reads (an unread name fails silently)."""
+    model, tokenizer = tiny
+    ids, mask = prompts(tokenizer)
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, **with_cache(cache), use_cache=True)
+    assert cache.get_seq_length() == ids.shape[1]
 
 
 def test_shared_prompt_logprobs_and_gradients_equal_one_pass_per_row(tiny):
