@@ -36,6 +36,7 @@ class Panel:
     title: str
     metrics: tuple[str, ...]
     exclude: tuple[str, ...] = ()
+    smooth: int = 0  # > 1: draw the raw values faintly under their trailing mean over this many epochs
 
     def select(self, names) -> list[str]:
         """The metrics among ``names`` this panel draws, sorted (``*/total`` first)."""
@@ -45,7 +46,7 @@ class Panel:
 
 
 PANELS: dict[str, Panel] = {
-    "reward": Panel("reward (total and per function)", ("reward/*",), exclude=("reward/std",)),
+    "reward": Panel("reward (total and per function)", ("reward/*",), exclude=("reward/std",), smooth=5),
     "val/accuracy": Panel("validation accuracy (greedy)", ("val/accuracy",)),
     "train/kl": Panel("KL to the reference", ("train/kl",)),
     "train/entropy": Panel("entropy (nats/token)", ("train/entropy",)),
@@ -106,16 +107,28 @@ def plot_panels(series: Series, panels: list[Panel], columns: int = 3) -> Figure
     for ax, (panel, names) in zip(axes, filled):
         for name in names:
             epochs, values = zip(*series[name])
-            ax.plot(epochs, values, marker="o", markersize=3, label=name)
+            if panel.smooth > 1 and len(values) > 1:
+                # The sampled reward of one epoch is noisy (a few prompts); the trend is the mean.
+                raw = ax.plot(epochs, values, marker="o", markersize=2, alpha=0.3, linewidth=0.8)[0]
+                ax.plot(epochs, moving_average(values, panel.smooth), color=raw.get_color(), linewidth=2,
+                        label=f"{name} ({panel.smooth}-epoch mean)")
+            else:
+                ax.plot(epochs, values, marker="o", markersize=3, label=name)
         ax.set_title(panel.title, fontsize=10)
         ax.set_xlabel("epoch" + (" (-1: before training)" if _has_before(series, names) else ""))
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-        if len(names) > 1:
+        if len(names) > 1 or panel.smooth > 1:
             ax.legend(fontsize=7)
     for ax in axes[len(filled):]:
         ax.set_visible(False)
     return figure
+
+
+def moving_average(values: list[float] | tuple[float, ...], window: int) -> list[float]:
+    """Trailing mean of each value and the ``window - 1`` before it (fewer at the start)."""
+    return [sum(values[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1))
+            for i in range(len(values))]
 
 
 def plot_run(

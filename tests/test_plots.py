@@ -130,3 +130,15 @@ def test_before_after_answers_from_the_same_fit(tiny_run):
     assert all(row[key] in (0.0, 1.0) for row in table for key in ("before_score", "after_score"))
     markdown = answers.to_markdown().splitlines()
     assert markdown[0].startswith("| prompt | before (score") and len(markdown) == 2 + 3
+
+
+def test_reward_panel_draws_raw_values_faintly_under_their_moving_average():
+    from lit_grpo.plots import PANELS, moving_average, plot_panels
+
+    # Trailing 5-epoch mean: epoch 5 averages epochs 1-5 = (1+0+1+0+1)/5.
+    assert moving_average([0, 1, 0, 1, 0, 1], 5) == [0, 0.5, 1 / 3, 0.5, 0.4, 0.6]
+    series = {"reward/total": [(e, float(e % 2)) for e in range(6)]}
+    ax = plot_panels(series, [PANELS["reward"]]).axes[0]
+    raw, mean = ax.lines
+    assert list(raw.get_ydata()) == [0, 1, 0, 1, 0, 1] and raw.get_alpha() == 0.3
+    assert list(mean.get_ydata()) == [0, 0.5, 1 / 3, 0.5, 0.4, 0.6] and mean.get_label() == "reward/total (5-epoch mean)"
