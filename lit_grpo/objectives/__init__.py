@@ -3,7 +3,9 @@
 Pipeline, one rollout batch of B prompts x G completions (N = B*G rows):
 
 * :func:`group_advantages` -- rewards ``[N]`` -> one advantage per completion,
-  normalised within its group (DESIGN.md section 1).
+  normalised within its group (DESIGN.md section 1). The other advantage
+  estimators (``rloo``, ``reinforce_pp``, ``gae``) and how a config picks one
+  are in :mod:`lit_grpo.objectives.estimators`.
 * :func:`token_logprobs` -- logits ``[N, T, V]`` + sampled tokens ``[N, T]`` ->
   ``[N, T]`` log-probabilities, chunked so no fp32 ``[N, T, V]`` log-softmax is
   ever held (section 2). :func:`token_entropy` is its logging companion.
@@ -22,17 +24,33 @@ Other objectives belong in their own module here and return the same
 
 from lit_grpo.objectives.advantages import Advantages, group_advantages
 from lit_grpo.objectives.dpo import dpo_loss, sequence_logps
+from lit_grpo.objectives.estimators import (
+    TokenAdvantages,
+    discounted_returns,
+    gae_advantages,
+    ppo_token_rewards,
+    reinforce_pp_advantages,
+    rloo_advantages,
+    whiten,
+)
 from lit_grpo.objectives.grpo import LossOutput, grpo_loss
 from lit_grpo.objectives.logprobs import head_logprobs, token_entropy, token_logprobs
 
 __all__ = [
     "Advantages",
     "LossOutput",
+    "TokenAdvantages",
+    "discounted_returns",
     "dpo_loss",
+    "gae_advantages",
     "group_advantages",
     "grpo_loss",
     "head_logprobs",
+    "ppo_token_rewards",
+    "reinforce_pp_advantages",
+    "rloo_advantages",
     "sequence_logps",
     "token_entropy",
     "token_logprobs",
+    "whiten",
 ]
