@@ -19,11 +19,21 @@ by default; in Python pass ``Trainer(plugins=[AtomicCheckpointIO()])``.
 ``ModelCheckpoint(save_last=True)`` writes ``last.ckpt`` as a full file through
 this plugin, so it is atomic too. ``save_last="link"`` is not: Lightning
 deletes the old link before creating the new one.
+
+Reading is checked too: a missing, damaged or truncated file fails with a
+message naming it and the checkpoints beside it (torch's own error for a
+damaged file is advice about ``weights_only``), and :func:`check_checkpoint`
+refuses a checkpoint whose trainable weights were saved for another policy
+(another base model, LoRA rank or target modules).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import errno
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +41,177 @@ import torch
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from lit_grpo.policy import PolicySpec
+
+# The settings that decide what the trainable weights are: a checkpoint saved
+# under other values does not fit (or silently means something else).
+_POLICY_FIELDS = ("name_or_path", "gguf_file", "load_in_4bit")
+_LORA_FIELDS = ("r", "alpha", "target_modules")
+
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """``TorchCheckpointIO`` whose local saves are write-temp, fsync, rename."""
+    """``TorchCheckpointIO`` whose local saves are write-temp, fsync, rename, and whose
+    local loads name the file when it is missing or cannot be read."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         if storage_options is not None or not _is_local_file_protocol(path):
             super().save_checkpoint(checkpoint, path, storage_options)
             return
         atomic_torch_save(checkpoint, Path(path))
+
+    def load_checkpoint(self, path, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """``TorchCheckpointIO.load_checkpoint``; a local file that is missing, a folder or
+        unreadable raises an error naming it and the other checkpoints in its folder.
+
+        Raises:
+            FileNotFoundError: No such file.
+            ValueError: A folder (a sharded checkpoint), or a file that is damaged,
+                truncated or not written by ``torch.save``.
+        """
+        if not _is_local_file_protocol(path):
+            return super().load_checkpoint(path, *args, **kwargs)
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"ckpt_path={str(path)!r}: no such file; {_other_checkpoints(path)}.")
+        if path.is_dir():
+            raise ValueError(
+                f"ckpt_path={str(path)!r} is a folder, a sharded checkpoint; resume it with the strategy "
+                "that wrote it (ModelParallelStrategy) on as many processes."
+            )
+        try:
+            return super().load_checkpoint(path, *args, **kwargs)
+        except Exception as error:  # noqa: BLE001 - every reader failure means the same to the user
+            raise ValueError(
+                f"ckpt_path={str(path)!r} cannot be read: {_unreadable_because(error)}; "
+                f"{_other_checkpoints(path)}."
+            ) from error
+
+
+def _unreadable_because(error: Exception) -> str:
+    """Why torch.load failed, in a few words (its own text is mostly advice about ``weights_only``)."""
+    text = str(error)
+    detail = text.split("WeightsUnpickler error:", 1)[-1].strip()
+    detail = (detail.splitlines() or ["no detail"])[0].split(". ")[0][:120]
+    if detail.startswith("Unsupported global"):
+        return (f"it holds a Python object a weights-only load refuses ({detail}), so it was not written "
+                "by lit-grpo fit")
+    return f"the file is damaged or truncated, or was not written by torch.save ({type(error).__name__}: {detail})"
+
+
+def _other_checkpoints(path: Path, shown: int = 5) -> str:
+    """The checkpoints beside ``path``, newest first, to pick from instead."""
+    folder = path.parent
+    others = [p for p in folder.glob("*.ckpt") if p != path] if folder.is_dir() else []
+    if not others:
+        return f"there is no other checkpoint in {folder}"
+    others.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    more = f" and {len(others) - shown} older" if len(others) > shown else ""
+    return f"other checkpoints in {folder}, newest first: {', '.join(p.name for p in others[:shown])}{more}"
+
+
+def check_lightning_checkpoint(checkpoint: Any, path: str | Path) -> None:
+    """Refuse a loaded file that is not a Lightning checkpoint (a bare state dict, say).
+
+    Raises:
+        ValueError: ``checkpoint`` has no ``pytorch-lightning_version`` entry.
+    """
+    if not isinstance(checkpoint, Mapping) or "pytorch-lightning_version" not in checkpoint:
+        raise ValueError(
+            f"ckpt_path={str(path)!r} is not a Lightning checkpoint (it has no 'pytorch-lightning_version' "
+            f"entry); pass a checkpoint written by lit-grpo fit or Trainer.fit; {_other_checkpoints(Path(path))}."
+        )
+
+
+def check_checkpoint(checkpoint: Mapping[str, Any], module) -> None:
+    """Refuse a checkpoint whose trainable weights were saved for another policy than ``module``'s.
+
+    Call it when the checkpoint is loaded, after the policy is built
+    (``PolicyModule.on_load_checkpoint``). The module loads checkpoints
+    non-strictly (they hold only the trainable weights), so without this a
+    checkpoint of another LoRA rank fails with a list of shape errors and one
+    of other target modules loads nothing at all. A sharded checkpoint
+    (FSDP2) has loaded its weights already and carries no ``state_dict``:
+    only its policy settings are compared.
+
+    Args:
+        checkpoint: The loaded checkpoint.
+        module: The :class:`~lit_grpo.policy_module.PolicyModule` resuming from it.
+
+    Raises:
+        ValueError: Policy settings that differ, or trainable weights that are
+            missing from the checkpoint or have other shapes there.
+    """
+    where = "the checkpoint"
+    with contextlib.suppress(RuntimeError):  # no Trainer attached: a checkpoint loaded by hand
+        if module.trainer.ckpt_path:
+            where = f"ckpt_path={str(module.trainer.ckpt_path)!r}"
+    hparams = checkpoint.get("hyper_parameters") or {}
+    if "policy" in hparams:
+        check_policy(hparams["policy"], module.spec, where)
+    if isinstance(checkpoint.get("state_dict"), Mapping):
+        problem = _weights_problem(checkpoint["state_dict"], module.state_dict())
+        if problem:
+            raise ValueError(f"{where} does not fit this model: {problem}. Resume with the policy settings "
+                             "it was trained with, or start without --ckpt_path.")
+
+
+def check_policy(saved: Any, current: Any, where: str) -> None:
+    """Refuse a checkpoint saved for another policy: the settings that decide the trainable weights differ.
+
+    Args:
+        saved: The policy in the checkpoint's hyper-parameters: a
+            :class:`~lit_grpo.policy.PolicySpec`, its dict, or ``None`` (the default).
+        current: The policy of this run, in the same forms.
+        where: How the message names the checkpoint (``ckpt_path='...'``).
+
+    Raises:
+        ValueError: Naming each differing ``model.policy`` field with both values.
+    """
+    saved, current = _as_dict(saved), _as_dict(current)
+    pairs = [(name, saved.get(name), current.get(name)) for name in _POLICY_FIELDS]
+    saved_lora, current_lora = saved.get("lora"), current.get("lora")
+    if saved_lora is None or current_lora is None:
+        pairs.append(("lora", saved_lora, current_lora))
+    else:
+        pairs += [(f"lora.{name}", saved_lora.get(name), current_lora.get(name)) for name in _LORA_FIELDS]
+    differences = [f"model.policy.{name}={old!r} in the checkpoint, {new!r} in this run"
+                   for name, old, new in pairs if not _same(name, old, new)]
+    if differences:
+        raise ValueError(
+            f"{where} was saved for another policy: {'; '.join(differences)}. Resume with the checkpoint's "
+            "settings, or start a new run without --ckpt_path (in another trainer.default_root_dir)."
+        )
+
+
+def _as_dict(policy: Any) -> dict:
+    if policy is None:
+        policy = PolicySpec()
+    if dataclasses.is_dataclass(policy):
+        return dataclasses.asdict(policy)
+    return {k: (_as_dict(v) if k == "lora" and v is not None else v) for k, v in dict(policy).items()}
+
+
+def _same(name: str, old: Any, new: Any) -> bool:
+    if name == "name_or_path" and isinstance(old, str) and isinstance(new, str) and old != new:
+        return os.path.exists(old) and os.path.realpath(old) == os.path.realpath(new)  # one folder, two spellings
+    if name == "lora.target_modules" and isinstance(old, list) and isinstance(new, list):
+        return sorted(old) == sorted(new)
+    return old == new
+
+
+def _weights_problem(saved: Mapping[str, Any], expected: Mapping[str, Any]) -> str | None:
+    """What keeps ``saved`` (a checkpoint's state dict) from loading into weights ``expected``."""
+    missing = [k for k in expected if k not in saved]
+    reshaped = [k for k in expected if k in saved and tuple(saved[k].shape) != tuple(expected[k].shape)]
+    if reshaped:
+        k = reshaped[0]
+        return (f"{len(reshaped)} of the {len(expected)} trainable weights have another shape in it, e.g. {k}: "
+                f"{tuple(saved[k].shape)} saved, {tuple(expected[k].shape)} here "
+                "(another base model or LoRA rank?)")
+    if missing:
+        return (f"{len(missing)} of the {len(expected)} trainable weights are not in it, e.g. {missing[0]} "
+                "(other LoRA target modules, or a checkpoint of another model?)")
+    return None
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
@@ -56,8 +228,14 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as error:
         tmp.unlink(missing_ok=True)
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            kept = f"the previous {path.name} is intact" if path.exists() else "nothing was overwritten"
+            raise OSError(
+                f"the disk is full: writing the checkpoint {path} failed ({error.strerror}); {kept}. "
+                "Free space there, or point trainer.default_root_dir to a disk with room."
+            ) from error
         raise
     # The rename lives in the folder's metadata: without this a power loss may undo it.
     folder = os.open(path.parent, os.O_RDONLY)

@@ -5,29 +5,65 @@ every option (generated from the constructors' docstrings);
 ``lit-grpo dpo fit --config configs/dpo_quickstart.yaml`` trains DPOModule on
 a PreferenceDataModule instead (``lit-grpo dpo --help``);
 ``lit-grpo plot RUN_DIR`` draws a finished run's curves.
+
+Whatever stops a run, the last line on stderr says what: ``lit-grpo: <message>``,
+naming the field or file, the value and what was expected. A mistake the user
+can fix (a config, data, checkpoint or output path refused by lit_grpo's
+checks, also when a library wrapped the check's error; a file the operating
+system refuses) exits with code 2 and shows no traceback unless
+``LIT_GRPO_DEBUG=1``; anything else is a bug somewhere and keeps its
+traceback above that line (exit code 1). Checks that need the whole command
+run here, before the first rollout: YAML files by file and line, the
+checkpoint of ``--ckpt_path``, and every output folder's permissions.
 """
 
 from __future__ import annotations
 
+import errno
+import inspect
+import os
 import sys
+import tempfile
+import traceback
 from pathlib import Path
 
+import yaml
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from lit_grpo.checkpointing import AtomicCheckpointIO
+import lit_grpo
+from lit_grpo.checkpointing import AtomicCheckpointIO, check_lightning_checkpoint, check_policy
 from lit_grpo.data import OnPolicyDataModule
 from lit_grpo.module import GRPOModule
 from lit_grpo.multiprocess import (
     end_child_processes, exit_on_signal, is_collective_failure, print_failure, set_collective_timeout,
 )
+from lit_grpo.sources import check_utf8
+
+USER_ERROR_EXIT = 2  # the same code as a command-line parse error
+_PACKAGE = Path(lit_grpo.__file__).parent
+# The operating system refusing a file: the user's to fix, whoever asked for the file.
+_ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
+
+
+class OneLineErrorParser(LightningArgumentParser):
+    """LightningCLI's parser, whose errors are one line: jsonargparse's name the field on
+    one line and the value and what was expected on the next."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        super().error(" ".join(message.split()), ex)
 
 
 class PolicyCli(LightningCLI):
-    """LightningCLI for a :class:`~lit_grpo.policy_module.PolicyModule`: adds ``--export_adapter``."""
+    """LightningCLI for a :class:`~lit_grpo.policy_module.PolicyModule`: adds ``--export_adapter``,
+    and checks the command line, the checkpoint to resume and the output folders
+    before the first rollout."""
+
+    def __init__(self, *args, parser_class: type[LightningArgumentParser] = OneLineErrorParser, **kwargs) -> None:
+        super().__init__(*args, parser_class=parser_class, **kwargs)
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument("--export_adapter", type=str | None, default=None,
@@ -36,6 +72,41 @@ class PolicyCli(LightningCLI):
                             help="Seconds one rank may wait in a collective before a multi-process run "
                                  "fails with an error naming the hook (default 300 on CPUs, 1800 on GPUs, "
                                  "unless the strategy sets its own timeout).")
+
+    def parse_arguments(self, parser, args) -> None:
+        """Parse the command line; first check the YAML files it names, then its ``--ckpt_path``."""
+        check_yaml_files(sys.argv[1:] if args is None else args if isinstance(args, list) else [])
+        super().parse_arguments(parser, args)
+        self._check_ckpt_path()
+
+    def _check_ckpt_path(self) -> None:
+        """Read the checkpoint of ``--ckpt_path`` now and refuse one that cannot resume this run.
+
+        LightningCLI next loads it itself and replaces the model's options with
+        the ones saved in it, silently: a checkpoint of another policy would
+        otherwise train that policy instead of the one asked for.
+        """
+        subcommand = self.config.get("subcommand")
+        config = self.config.get(subcommand) if subcommand else None
+        path = config.get("ckpt_path") if config is not None else None
+        if path == "last":
+            path = _default_last_checkpoint(config.get("trainer") or {})
+        if not _is_checkpoint_file(path):
+            return
+        checkpoint = AtomicCheckpointIO().load_checkpoint(path, weights_only=config.get("weights_only"))
+        check_lightning_checkpoint(checkpoint, path)
+        saved = checkpoint.get("hyper_parameters") or {}
+        options = inspect.signature(self.model_class).parameters
+        unknown = sorted(k for k in saved if not k.startswith("_") and k not in options)
+        if unknown:
+            raise ValueError(
+                f"ckpt_path={path!r} was saved by another kind of model: its hyper-parameters {unknown} "
+                f"are not options of {self.model_class.__name__}; pass a checkpoint of a "
+                f"{self.model_class.__name__} run."
+            )
+        if "policy" in saved:
+            policy = config.get("model", {}).get("policy")
+            check_policy(saved["policy"], policy.as_dict() if policy else None, f"ckpt_path={path!r}")
 
     def instantiate_trainer(self, **kwargs) -> Trainer:
         """The Trainer, crash-safe by default: atomic checkpoint files and a ``last.ckpt``.
@@ -54,11 +125,21 @@ class PolicyCli(LightningCLI):
         if config.get("enable_checkpointing") is not False and not any(
             isinstance(c, ModelCheckpoint) for c in callbacks
         ):
-            root = Path(config.get("default_root_dir") or Path.cwd())
-            kwargs["callbacks"] = [*callbacks, ModelCheckpoint(dirpath=root / "checkpoints", save_last=True)]
+            kwargs["callbacks"] = [*callbacks, ModelCheckpoint(dirpath=_checkpoint_dir(config), save_last=True)]
         trainer = super().instantiate_trainer(**kwargs)
         set_collective_timeout(trainer.strategy, self._get(self.config, "collective_timeout"))
         return trainer
+
+    def before_fit(self) -> None:
+        """Check every output folder before the first rollout, not when training is over."""
+        locations = [("export_adapter", self._get(self.config, "export_adapter")),
+                     ("trainer.default_root_dir", self.trainer.default_root_dir)]
+        locations += [("the checkpoint folder (ModelCheckpoint.dirpath)", c.dirpath)
+                      for c in self.trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
+        locations += [("trainer.logger.save_dir", getattr(logger, "save_dir", None))
+                      for logger in self.trainer.loggers]
+        for field, path in locations:
+            check_writable(field, path)
 
     def after_fit(self) -> None:
         path = self._get(self.config, "export_adapter")
@@ -81,6 +162,118 @@ def _as_list(value) -> list:
     return [] if value is None else list(value) if isinstance(value, list) else [value]
 
 
+def _checkpoint_dir(trainer_config) -> Path:
+    """Where the checkpoints go when the config names no ModelCheckpoint of its own."""
+    return Path(trainer_config.get("default_root_dir") or Path.cwd()) / "checkpoints"
+
+
+def _default_last_checkpoint(trainer_config) -> str | None:
+    """What ``--ckpt_path last`` resumes from when the checkpoints are the default ones:
+    as Lightning picks it, the newest ``last*.ckpt`` in their folder (``None`` if none)."""
+    callbacks = _as_list(trainer_config.get("callbacks"))
+    if trainer_config.get("enable_checkpointing") is False or any(
+        "ModelCheckpoint" in str(getattr(c, "class_path", c)) for c in callbacks
+    ):
+        return None  # Lightning picks among the configured callbacks' files
+    candidates = list(_checkpoint_dir(trainer_config).glob("last*.ckpt"))
+    return str(max(candidates, key=lambda p: p.stat().st_mtime)) if candidates else None
+
+
+def _is_checkpoint_file(path) -> bool:
+    """Whether ``--ckpt_path`` names a local file (not ``last``/``best``/``hpc``, a URL,
+    a model registry, or a sharded checkpoint's folder)."""
+    return (bool(path) and path not in ("last", "best", "hpc") and not str(path).startswith("registry")
+            and "://" not in str(path) and not Path(path).is_dir())
+
+
+def check_yaml_files(argv: list[str]) -> None:
+    """Read every YAML file named on the command line, so that a broken one is reported by
+    file and line (jsonargparse names neither: its message says ``"<unicode string>"``).
+
+    Raises:
+        ValueError: A file that is not UTF-8 or not YAML.
+    """
+    for token in argv:
+        value = token.split("=", 1)[1] if token.startswith("-") and "=" in token else token
+        path = Path(value)
+        if path.suffix not in (".yaml", ".yml") or not path.is_file():
+            continue
+        check_utf8(path, f"config file {value!r}")
+        try:
+            list(yaml.compose_all(path.read_text(encoding="utf-8"), Loader=yaml.SafeLoader))  # syntax only
+        except yaml.MarkedYAMLError as error:
+            mark, context = error.problem_mark, error.context_mark
+            began = f" ({error.context} at line {context.line + 1})" if error.context and context else ""
+            raise ValueError(
+                f"config file {value!r}, line {mark.line + 1}, column {mark.column + 1}: {error.problem}{began}; "
+                "fix that line (YAML nests by indenting with spaces; quote values holding ': ' or ' #')."
+            ) from None
+
+
+def check_writable(field: str, path) -> None:
+    """Refuse, naming ``field``, a folder that cannot be created or written in.
+
+    Nothing is created: a file is made and removed in the nearest folder that
+    exists. Remote locations (``s3://...``) are left to their own clients.
+
+    Raises:
+        NotADirectoryError: A file is where the folder (or one above it) would be.
+        PermissionError: No file can be created there.
+    """
+    if path is None or "://" in str(path):
+        return
+    path = Path(path).expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise NotADirectoryError(
+            f"{field}={str(path)!r} cannot be a folder: {existing} is a file; pick another path."
+        )
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        raise PermissionError(
+            f"{field}={str(path)!r} is not writable: no file can be created in {existing} "
+            f"({error.strerror}); pick a folder you can write to."
+        ) from error
+
+
+def report_failure(error: Exception) -> int:
+    """Print how ``error`` ended the run, with ``lit-grpo: <message>`` as the last line; return the exit code."""
+    message = _message_for_user(error)
+    if message is None or os.environ.get("LIT_GRPO_DEBUG"):
+        traceback.print_exception(error)
+    if message is None:
+        frames = traceback.extract_tb(error.__traceback__)
+        where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+        first_line = (str(error).strip().splitlines() or [""])[0][:200]
+        sys.stderr.write(f"lit-grpo: unexpected {type(error).__name__}{where}: {first_line} (the traceback "
+                         "above has the rest; if your config and data look right, please report it)\n")
+        return 1
+    sys.stderr.write(f"lit-grpo: {' '.join(message.split())}\n")
+    return USER_ERROR_EXIT
+
+
+def _message_for_user(error: BaseException | None) -> str | None:
+    """The message in ``error``, or in the error it wraps, that was written for the user, if any.
+
+    Written for the user: raised by a ``raise`` statement of lit_grpo (an
+    exception raised there implicitly is a bug), or the operating system
+    refusing a file. Libraries wrap such errors (jsonargparse around a
+    constructor's check), so the causes are searched too.
+    """
+    while error is not None:
+        frames = traceback.extract_tb(error.__traceback__)
+        raised_at = frames[-1] if frames else None
+        ours = raised_at is not None and Path(raised_at.filename).is_relative_to(_PACKAGE)
+        if ours and (raised_at.line or "").startswith("raise"):
+            return str(error)
+        if isinstance(error, OSError) and error.errno in _ENVIRONMENT_ERRNOS:
+            return f"{error.strerror}: {error.filename}" if error.filename else str(error)
+        error = error.__cause__
+    return None
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``lit-grpo`` console script."""
     argv = sys.argv[1:] if args is None else args
@@ -94,10 +287,10 @@ def main(args: list[str] | None = None) -> None:
         _run(argv)
     except Exception as error:
         end_child_processes()  # the other ranks would wait for this one in their next collective
-        if not is_collective_failure(error):
-            raise
-        print_failure(error, rank_zero_only.rank)
-        sys.exit(1)
+        if is_collective_failure(error):
+            print_failure(error, rank_zero_only.rank)
+            sys.exit(1)
+        sys.exit(report_failure(error))
 
 
 def _run(argv: list[str]) -> None:
@@ -109,6 +302,7 @@ def _run(argv: list[str]) -> None:
                   parser_kwargs={"prog": "lit-grpo dpo"})
         return
     GRPOCli(GRPOModule, OnPolicyDataModule, args=argv, save_config_kwargs={"overwrite": True})
+
 
 if __name__ == "__main__":
     main()

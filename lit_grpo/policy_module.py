@@ -23,6 +23,7 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch.distributed.tensor import DTensor
 
+from lit_grpo.checkpointing import check_checkpoint
 from lit_grpo.distributed import reduce_across_ranks, shard
 from lit_grpo.policy import PolicySpec, build_policy, load_tokenizer
 from lit_grpo.strategies import check_strategy
@@ -167,6 +168,7 @@ class PolicyModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.configure_model()
+        check_checkpoint(checkpoint, self)  # refuse weights saved for another base model, LoRA rank or targets
         self.guard.load_state_dict(checkpoint.get("nonfinite_guard", {}))
 
     def export_adapter(self, path: str | Path) -> Path:

@@ -7,11 +7,14 @@ column names. Problems are reported before any compute is spent.
 
 from __future__ import annotations
 
+import codecs
+import warnings
 from pathlib import Path
 
 from lit_grpo.tasks import TASKS
 
 _LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+_TEXT_FORMATS = {".json", ".jsonl", ".csv"}
 
 
 def load_rows(source: str, split: str, task_args: dict | None, seed: int, size: int | None) -> list[dict]:
@@ -21,37 +24,102 @@ def load_rows(source: str, split: str, task_args: dict | None, seed: int, size: 
         source: A built-in task name (``arithmetic``, ``countdown``), a local
             ``.json/.jsonl/.parquet/.csv`` file, or a hub dataset name.
         split: The dataset split (hub and local sources).
-        task_args: Keyword arguments for a built-in task.
+        task_args: Keyword arguments for a built-in task; ignored, with a
+            warning, for other sources.
         seed: Seed of a built-in task's generator.
         size: Rows to generate for a built-in task.
     """
     if source in TASKS:
         return TASKS[source](n=size, seed=seed, **(task_args or {}))
     if task_args:
-        raise ValueError(f"data.task_args={task_args!r} only apply to built-in tasks {sorted(TASKS)}.")
-    import datasets
-
+        # A config written for a built-in task (the quickstart's) pointed at one's own
+        # data: the options cannot mean anything else, so the file is read without them.
+        warnings.warn(
+            f"data.task_args={task_args!r} ignored: they configure the built-in tasks {sorted(TASKS)}, "
+            f"and data.source={source!r} is not one of them.",
+            stacklevel=2,
+        )
     path = Path(source)
     if path.suffix in _LOCAL_FORMATS:
-        if not path.is_file():
-            raise FileNotFoundError(f"data.source={source!r}: no such file.")
-        if path.stat().st_size == 0:  # the readers' own error for this is an empty message
-            raise ValueError(f"data.source={source!r} is an empty file; expected a non-empty dataset.")
-        try:
-            dataset = datasets.load_dataset(_LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
-        except Exception as error:  # noqa: BLE001 - the reader's own error is appended
-            raise ValueError(
-                f"data.source={source!r} could not be read as {_LOCAL_FORMATS[path.suffix]}: {error}"
-            ) from error
+        dataset = _load_file(source, path)
     elif path.suffix:
         raise ValueError(
             f"data.source={source!r} has an unknown file type {path.suffix!r}; expected one of "
             f"{sorted(_LOCAL_FORMATS)}, a built-in task {sorted(TASKS)}, or a hub dataset name."
         )
     else:
-        name, _, config = source.partition(":")
-        dataset = datasets.load_dataset(name, config or None, split=split)
+        dataset = _load_hub_dataset(source, split)
     return dataset.to_list()
+
+
+def _load_file(source: str, path: Path):
+    """A local json/jsonl/parquet/csv file as a ``datasets.Dataset``, checked before the reader runs."""
+    import datasets
+
+    if not path.is_file():
+        raise FileNotFoundError(f"data.source={source!r}: no such file.")
+    if path.stat().st_size == 0:  # the readers' own error for this is an empty message
+        raise ValueError(f"data.source={source!r} is an empty file; expected a non-empty dataset.")
+    if path.suffix in _TEXT_FORMATS:
+        # The readers report bad bytes by their offset in some internal block, or
+        # accept them and fail later when the rows are converted.
+        check_utf8(path, f"data.source={source!r}")
+    try:
+        return datasets.load_dataset(_LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
+    except Exception as error:  # noqa: BLE001 - the reader's own error is appended
+        raise ValueError(
+            f"data.source={source!r} could not be read as {_LOCAL_FORMATS[path.suffix]}: {error}"
+        ) from error
+
+
+def _load_hub_dataset(source: str, split: str):
+    """A hub dataset (``name`` or ``name:config``), from the local cache when the hub does not answer."""
+    import datasets
+
+    from lit_grpo.policy import hub_offline
+
+    offline = hub_offline()
+    name, _, config = source.partition(":")
+    try:
+        return datasets.load_dataset(name, config or None, split=split)
+    except Exception as error:  # noqa: BLE001 - the hub's own error is appended
+        if offline and isinstance(error, ConnectionError):
+            raise ValueError(
+                f"data.source={source!r} is not a local file, the dataset hub is not reachable (offline) "
+                "and the dataset is not in the local cache; save it as a .jsonl/.parquet file where there "
+                "is network and pass the file, or use a built-in task (arithmetic, countdown)."
+            ) from error
+        raise ValueError(f"data.source={source!r} could not be loaded from the dataset hub: {error}") from error
+
+
+def check_utf8(path: Path, name: str) -> None:
+    """Raise, naming the byte offset and the line, if ``path`` is not UTF-8 text.
+
+    Args:
+        path: The file.
+        name: How the message names the file (``data.source='d.jsonl'``).
+
+    Raises:
+        ValueError: A byte sequence that is not UTF-8.
+    """
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = lines = 0  # bytes and newlines before the current block
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(1 << 20)
+            try:
+                decoder.decode(block, final=not block)
+            except UnicodeDecodeError as error:
+                pending = len(error.object) - len(block)  # bytes of a sequence begun in the previous block
+                bad = offset - pending + error.start
+                line = lines + block[: max(bad - offset, 0)].count(b"\n") + 1
+                raise ValueError(
+                    f"{name} is not UTF-8 text: byte {bad} (line {line}) is 0x{error.object[error.start]:02x} "
+                    f"({error.reason}); save the file as UTF-8 (e.g. with iconv -f latin1 -t utf-8)."
+                ) from None
+            if not block:
+                return
+            offset, lines = offset + len(block), lines + block.count(b"\n")
 
 
 def rename_columns(rows: list[dict], columns: dict[str, str], source: str) -> list[dict]:

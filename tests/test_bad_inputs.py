@@ -2,23 +2,32 @@
 and what was expected (none surfaces as a traceback from inside torch/transformers).
 
 Each test triggers one mistake at the earliest point it can be caught (a
-constructor, ``DataModule.setup`` or the CLI parser) and checks the message.
+constructor, ``DataModule.setup``, the CLI before the first rollout) and checks
+the message; through ``lit-grpo`` it checks the last line of stderr and the
+exit code (2: the user's to fix; 1: a bug, traceback kept). The README's
+"Errors you may meet" table lists every case here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
+import time
 
 import lightning as L
 import pytest
 import torch
 
+from lit_grpo import checkpointing
+from lit_grpo.checkpointing import AtomicCheckpointIO, atomic_torch_save, check_checkpoint
 from lit_grpo.data import OnPolicyDataModule
 from lit_grpo.module import GRPOModule
-from lit_grpo.policy import PolicySpec, load_tokenizer
+from lit_grpo.policy import LoraSpec, PolicySpec, load_tokenizer
 from lit_grpo.rewards import Accuracy, RewardCombiner, RewardFunctionError
 from lit_grpo.rollout import SamplingSpec
+from lit_grpo.sources import load_rows
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +102,52 @@ def test_dataset_file_of_unknown_type(tmp_path):
     (tmp_path / "d.txt").write_text("1+1?\n")
     with pytest.raises(ValueError, match=r"data.source=.*unknown file type '.txt'; expected one of"):
         set_up(data(source=str(tmp_path / "d.txt")))
+
+
+def test_dataset_file_that_is_not_utf8(tmp_path):
+    rows = [json.dumps({"prompt": f"{i} + 1?", "answer": str(i + 1)}).encode() + b"\n" for i in range(10)]
+    rows[6] = b'{"prompt": "caf\xe9 + 1?", "answer": "1"}\n'  # latin-1, not UTF-8
+    (tmp_path / "d.jsonl").write_bytes(b"".join(rows))
+    offset = sum(map(len, rows[:6])) + rows[6].index(b"\xe9")
+    with pytest.raises(ValueError, match=rf"data.source=.*d.jsonl' is not UTF-8 text: byte {offset} \(line 7\) "
+                                         r"is 0xe9 .*save the file as UTF-8"):
+        set_up(data(source=str(tmp_path / "d.jsonl"), val_size=2))
+
+
+def test_task_args_with_a_data_file_are_ignored_with_a_warning(tmp_path):
+    # The quickstart's task_args left in place when pointing data.source at one's own file.
+    source = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1?", "answer": "2"}] * 10)
+    with pytest.warns(UserWarning, match=r"data.task_args=\{'digits': 2\} ignored: they configure the built-in "
+                                         r"tasks .*data.source=.*d.jsonl' is not one of them"):
+        rows = load_rows(source, "train", {"digits": 2}, seed=0, size=None)
+    assert len(rows) == 10
+
+
+def test_hub_dataset_offline(monkeypatch):
+    offline(monkeypatch)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"data.source='lit-grpo-tests/no-such-dataset' is not a local file, the "
+                                         r"dataset hub is not reachable \(offline\).*save it as a .jsonl"):
+        load_rows("lit-grpo-tests/no-such-dataset", "train", None, seed=0, size=None)
+    assert time.monotonic() - start < 10
+
+
+def test_prompt_longer_than_the_model_context(module, tmp_path):
+    # The tiny model's context is 512 positions; no max_prompt_length guards it.
+    rows = [{"prompt": "1 + 1?", "answer": "2"}] * 8 + [{"prompt": "one " * 600, "answer": "2"}] * 2
+    source = write_jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.raises(ValueError, match=r"data.source=.*d.jsonl' split 'train' row 8: the prompt has \d+ tokens "
+                                         r"\(chat template included\), \d+ with sampling.max_new_tokens=4, more "
+                                         r"than the model's context of 512 \(policy.name_or_path="):
+        set_up(data(source=source, val_size=2, max_prompt_length=None), module)
+
+
+def test_prompt_and_completion_longer_than_the_model_context(module):
+    # Short prompts, but with 500 new tokens after them they outgrow 512 positions.
+    with pytest.raises(ValueError, match=r"split 'train' row 4: .*with sampling.max_new_tokens=500, more than the "
+                                         r"model's context of 512.*data.max_prompt_length=12 with "
+                                         r"data.prompt_overflow='truncate'"):
+        set_up(data(sampling=SamplingSpec(group_size=4, max_new_tokens=500)), module)
 
 
 def test_prompt_longer_than_max_prompt_length_is_refused(module):
@@ -192,6 +247,27 @@ def test_gguf_file_missing_in_folder(tiny_model_dir):
         load_tokenizer(PolicySpec(name_or_path=tiny_model_dir, gguf_file="absent.gguf"))
 
 
+def offline(monkeypatch) -> None:
+    """The hub unreachable whether or not this machine has network: huggingface_hub's offline mode
+    (undone after the test, also where the code under test switched it on itself)."""
+    import datasets
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+
+
+def test_hub_model_offline(monkeypatch):
+    offline(monkeypatch)
+    start = time.monotonic()
+    with pytest.raises(FileNotFoundError, match=r"policy.name_or_path='lit-grpo-tests/no-such-model' is not a local "
+                                                r"folder and the model hub is not reachable \(offline\); download "
+                                                r"it .* or use name_or_path: embedded"):
+        load_tokenizer(PolicySpec(name_or_path="lit-grpo-tests/no-such-model"))
+    assert time.monotonic() - start < 5
+
+
 @pytest.mark.parametrize("temperature", [0.0, -1.0])
 def test_temperature_not_positive(temperature):
     with pytest.raises(ValueError, match=rf"sampling.temperature={temperature}; expected > 0"):
@@ -220,7 +296,209 @@ def test_generation_dtype_without_the_merged_copy(tiny_model_dir):
                    merge_for_generation=False)
 
 
+# -------------------------------------------------------------- checkpoints
+def test_truncated_checkpoint(tmp_path):
+    torch.save({"state_dict": {"w": torch.zeros(1000)}}, tmp_path / "last.ckpt")
+    (tmp_path / "epoch=0-step=2.ckpt").write_bytes(b"")
+    whole = (tmp_path / "last.ckpt").read_bytes()
+    (tmp_path / "last.ckpt").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match=r"ckpt_path=.*last.ckpt' cannot be read: the file is damaged or truncated.*"
+                                         r"other checkpoints in .*newest first: epoch=0-step=2.ckpt"):
+        AtomicCheckpointIO().load_checkpoint(tmp_path / "last.ckpt")
+
+
+def test_checkpoint_file_missing(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"ckpt_path=.*nope.ckpt': no such file; there is no other "
+                                                r"checkpoint in"):
+        AtomicCheckpointIO().load_checkpoint(tmp_path / "nope.ckpt")
+
+
+def test_checkpoint_folder_without_a_sharded_strategy(tmp_path):
+    (tmp_path / "last.ckpt").mkdir()
+    with pytest.raises(ValueError, match=r"last.ckpt' is a folder, a sharded checkpoint; resume it with the "
+                                         r"strategy that wrote it \(ModelParallelStrategy\)"):
+        AtomicCheckpointIO().load_checkpoint(tmp_path / "last.ckpt")
+
+
+def test_checkpoint_of_another_lora_rank(module):
+    module.configure_model()  # the tiny policy with LoRA r=16
+    checkpoint = {"state_dict": {k: torch.zeros(4, *v.shape[1:]) for k, v in module.state_dict().items()}}
+    with pytest.raises(ValueError, match=r"does not fit this model: \d+ of the \d+ trainable weights have another "
+                                         r"shape in it, e.g. .*lora_A.*: \(4, 32\) saved, \(16, 32\) here"):
+        check_checkpoint(checkpoint, module)
+    checkpoint["hyper_parameters"] = {"policy": dataclasses.replace(module.spec, lora=LoraSpec(r=4))}
+    with pytest.raises(ValueError, match=r"was saved for another policy: model.policy.lora.r=4 in the checkpoint, "
+                                         r"16 in this run. Resume with the checkpoint's settings"):
+        check_checkpoint(checkpoint, module)
+
+
+def test_checkpoint_of_another_base_model(module):
+    module.configure_model()
+    policy = dataclasses.asdict(module.spec) | {"name_or_path": "Qwen/Qwen2.5-0.5B-Instruct"}
+    with pytest.raises(ValueError, match=r"model.policy.name_or_path='Qwen/Qwen2.5-0.5B-Instruct' in the checkpoint"):
+        check_checkpoint({"hyper_parameters": {"policy": policy}, "state_dict": module.state_dict()}, module)
+
+
+def test_disk_full_while_writing_a_checkpoint(tmp_path, monkeypatch):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full (Linux) to fail writes with ENOSPC")
+    target = tmp_path / "last.ckpt"
+    atomic_torch_save({"name": "A"}, target)
+    monkeypatch.setattr(checkpointing, "open", lambda path, mode: open("/dev/full", mode), raising=False)
+    with pytest.raises(OSError, match=r"the disk is full: writing the checkpoint .*last.ckpt failed \(No space left "
+                                      r"on device\); the previous last.ckpt is intact"):
+        atomic_torch_save({"name": "B", "weights": torch.zeros(100_000)}, target)
+    monkeypatch.undo()
+    assert torch.load(target)["name"] == "A"
+
+
 # ---------------------------------------------------------------------- CLI
+@pytest.fixture
+def fit(capsys, monkeypatch, tmp_path, tiny_model_dir):
+    """Run ``lit-grpo fit ARGUMENTS`` on the tiny model in this process: ``(exit code, last line of stderr)``."""
+    from lit_grpo import cli
+
+    # main() ends its process's children on failure; here they would be pytest's.
+    monkeypatch.setattr(cli, "end_child_processes", lambda: None)
+
+    def run(*arguments: str) -> tuple[int, str]:
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["fit", "--trainer.accelerator=cpu", "--trainer.max_epochs=1", "--trainer.logger=false",
+                      "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+                      f"--trainer.default_root_dir={tmp_path / 'run'}",
+                      f"--model.policy.name_or_path={tiny_model_dir}", "--model.policy.lora.r=4", "--model.progress=false", "--data.train_size=20",
+                      "--data.val_size=2", "--data.prompts_per_epoch=2", "--data.batch_size=4",
+                      "--data.sampling.group_size=4", "--data.sampling.max_new_tokens=4", *arguments])
+        lines = capsys.readouterr().err.strip().splitlines()
+        return exit_.value.code, lines[-1] if lines else ""
+
+    return run
+
+
+def lightning_checkpoint(path, r: int, tiny_model_dir: str) -> str:
+    """A checkpoint as ``lit-grpo fit`` writes it, with the policy settings of LoRA rank ``r``."""
+    policy = dataclasses.asdict(PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=r)))
+    torch.save({"pytorch-lightning_version": L.__version__, "state_dict": {},
+                "hyper_parameters": {"policy": policy}}, path)
+    return str(path)
+
+
+def test_cli_damaged_checkpoint(fit, tmp_path):
+    torch.save({"w": torch.zeros(1000)}, tmp_path / "last.ckpt")
+    (tmp_path / "last.ckpt").write_bytes((tmp_path / "last.ckpt").read_bytes()[:500])
+    code, last = fit(f"--ckpt_path={tmp_path / 'last.ckpt'}")
+    assert code == 2
+    assert "last.ckpt' cannot be read: the file is damaged or truncated" in last
+
+
+def test_cli_checkpoint_that_is_not_a_lightning_checkpoint(fit, tmp_path):
+    torch.save({"w": torch.zeros(3)}, tmp_path / "weights.ckpt")
+    code, last = fit(f"--ckpt_path={tmp_path / 'weights.ckpt'}")
+    assert code == 2
+    assert last.startswith(f"lit-grpo: ckpt_path='{tmp_path / 'weights.ckpt'}' is not a Lightning checkpoint "
+                           "(it has no 'pytorch-lightning_version' entry)")
+
+
+def test_cli_checkpoint_of_another_lora_rank(fit, tmp_path, tiny_model_dir):
+    path = lightning_checkpoint(tmp_path / "r8.ckpt", 8, tiny_model_dir)
+    code, last = fit(f"--ckpt_path={path}")
+    assert code == 2
+    assert last == (f"lit-grpo: ckpt_path='{path}' was saved for another policy: model.policy.lora.r=8 in the "
+                    "checkpoint, 4 in this run. Resume with the checkpoint's settings, or start a new run without "
+                    "--ckpt_path (in another trainer.default_root_dir).")
+
+
+def test_cli_last_checkpoint_of_another_lora_rank(fit, tmp_path, tiny_model_dir):
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    lightning_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt", 8, tiny_model_dir)
+    code, last = fit("--ckpt_path=last")
+    assert code == 2
+    assert "checkpoints/last.ckpt' was saved for another policy: model.policy.lora.r=8" in last
+
+
+def test_cli_yaml_syntax_error(fit, tmp_path):
+    (tmp_path / "bad.yaml").write_text("trainer:\n  max_epochs: 3\n  devices: [1\nmodel:\n  beta: 0.1\n")
+    code, last = fit("--config", str(tmp_path / "bad.yaml"))
+    assert code == 2
+    assert last.startswith(f"lit-grpo: config file '{tmp_path / 'bad.yaml'}', line 4, column 6: expected ',' or ']'")
+
+
+def test_cli_yaml_file_that_is_not_utf8(fit, tmp_path):
+    text = b"trainer:\n  max_epochs: 1  # caf\xe9\n"
+    (tmp_path / "latin.yaml").write_bytes(text)
+    offset = text.index(0xE9)
+    code, last = fit(f"--config={tmp_path / 'latin.yaml'}")
+    assert code == 2
+    assert last.startswith(f"lit-grpo: config file '{tmp_path / 'latin.yaml'}' is not UTF-8 text: byte {offset} "
+                           "(line 2) is 0xe9 (invalid continuation byte); save the file as UTF-8")
+
+
+@pytest.mark.parametrize("field", ["export_adapter", "trainer.default_root_dir"])
+def test_cli_output_folder_under_a_file(fit, tmp_path, monkeypatch, field):
+    (tmp_path / "file").write_text("")
+    started = []
+    monkeypatch.setattr(OnPolicyDataModule, "rollout_buffer", lambda self: started.append(1))
+    code, last = fit(f"--{field}={tmp_path / 'file' / 'out'}")
+    assert code == 2
+    assert last == (f"lit-grpo: {field}='{tmp_path / 'file' / 'out'}' cannot be a folder: {tmp_path / 'file'} is a "
+                    "file; pick another path.")
+    assert not started  # refused before the first rollout
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes in read-only folders")
+def test_cli_output_folder_not_writable(fit, tmp_path):
+    (tmp_path / "locked").mkdir(mode=0o555)
+    code, last = fit(f"--export_adapter={tmp_path / 'locked' / 'adapter'}")
+    assert code == 2
+    assert "export_adapter=" in last and "is not writable: no file can be created in" in last
+
+
+def test_cli_constructor_check_wrapped_by_the_parser(fit, tmp_path):
+    # jsonargparse wraps SamplingSpec's ValueError in a union error whose last line is the raw Namespace.
+    code, last = fit("--data.sampling.group_size=1")
+    assert code == 2
+    assert last.startswith("lit-grpo: sampling.group_size=1; expected >= 2")
+
+
+def test_cli_disk_full_during_a_checkpoint_write(fit, tmp_path, monkeypatch):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full (Linux) to fail writes with ENOSPC")
+    monkeypatch.setattr(checkpointing, "open", lambda path, mode: open("/dev/full", mode), raising=False)
+    code, last = fit("--model.validate_before_training=false",
+                     "--trainer.num_sanity_val_steps=0", "--trainer.limit_val_batches=0")
+    assert code == 2
+    assert last.startswith(f"lit-grpo: the disk is full: writing the checkpoint {tmp_path / 'run' / 'checkpoints'}")
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_user_error_is_one_line_unless_debugging(capsys, monkeypatch, debug):
+    from lit_grpo.cli import report_failure
+
+    if debug:
+        monkeypatch.setenv("LIT_GRPO_DEBUG", "1")
+    try:
+        SamplingSpec(group_size=1)
+    except ValueError as error:
+        code = report_failure(error)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1].startswith("lit-grpo: sampling.group_size=1; expected >= 2")
+    assert ("Traceback (most recent call last):" in err) == debug
+
+
+def test_unexpected_error_keeps_its_traceback(capsys):
+    from lit_grpo.cli import report_failure
+
+    try:
+        1 / 0
+    except ZeroDivisionError as error:
+        code = report_failure(error)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1
+    assert "Traceback (most recent call last):" in err
+    assert err[-1].startswith("lit-grpo: unexpected ZeroDivisionError at ") and "please report it" in err[-1]
+
+
 @pytest.mark.parametrize(("argument", "message"), [
     ("--data.promts_per_epoch=2", "unrecognized arguments: --data.promts_per_epoch=2"),
     ("--model.loss_type=ppo", "Expected a typing.Literal['grpo', 'bnpo', 'dapo', 'dr_grpo']. Got value: ppo"),
