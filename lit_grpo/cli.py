@@ -25,6 +25,7 @@ import os
 import sys
 import tempfile
 import traceback
+import warnings
 from pathlib import Path
 
 import yaml
@@ -72,6 +73,11 @@ class PolicyCli(LightningCLI):
                             help="Seconds one rank may wait in a collective before a multi-process run "
                                  "fails with an error naming the hook (default 300 on CPUs, 1800 on GPUs, "
                                  "unless the strategy sets its own timeout).")
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """``fit`` and ``validate``: Lightning's ``test``/``predict`` have nothing to run here."""
+        return {name: keys for name, keys in LightningCLI.subcommands().items() if name in ("fit", "validate")}
 
     def parse_arguments(self, parser, args) -> None:
         """Parse the command line; first check the YAML files it names, then its ``--ckpt_path``."""
@@ -274,17 +280,46 @@ def _message_for_user(error: BaseException | None) -> str | None:
     return None
 
 
+COMMANDS = {
+    "fit": "train with GRPO: lit-grpo fit --config configs/quickstart.yaml",
+    "validate": "greedy validation accuracy of a config's model, one pass",
+    "eval": "score a base model or base + adapter: lit-grpo eval --config CONFIG --adapter DIR [--samples N]",
+    "plot": "draw a finished run's curves: lit-grpo plot RUN_DIR",
+    "dpo": "train with DPO: lit-grpo dpo fit --config configs/dpo_quickstart.yaml",
+}
+HELP = "\n".join([
+    "usage: lit-grpo COMMAND [options]",
+    "",
+    "GRPO post-training of causal language models with PyTorch Lightning.",
+    "",
+    "commands:",
+    *[f"  {name:<10}{line}" for name, line in COMMANDS.items()],
+    "",
+    "lit-grpo COMMAND --help lists a command's options.",
+])
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``lit-grpo`` console script."""
     argv = sys.argv[1:] if args is None else args
+    if argv[:1] in ([], ["-h"], ["--help"]):
+        print(HELP)
+        return
     if argv[:1] == ["plot"]:
         from lit_grpo.plots import main as plot_main
 
         plot_main(argv[1:])
         return
+    if argv[0] not in COMMANDS and not argv[0].startswith("-"):  # options before fit/validate pass through
+        sys.stderr.write(f"{HELP}\n\nlit-grpo: unknown command {argv[0]!r}; expected one of {list(COMMANDS)}.\n")
+        sys.exit(USER_ERROR_EXIT)
     exit_on_signal()
     try:
-        _run(argv)
+        with warnings.catch_warnings():
+            # We hand LightningCLI the command line ourselves (less the command for
+            # eval/dpo); its warning about args beside sys.argv does not apply.
+            warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+            _run(argv)
     except Exception as error:
         end_child_processes()  # the other ranks would wait for this one in their next collective
         if is_collective_failure(error):
@@ -294,7 +329,12 @@ def main(args: list[str] | None = None) -> None:
 
 
 def _run(argv: list[str]) -> None:
-    if argv[:1] == ["dpo"]:
+    if argv[0] == "eval":
+        from lit_grpo.evaluate import main as eval_main
+
+        eval_main(argv[1:])
+        return
+    if argv[0] == "dpo":
         from lit_grpo.dpo import DPOModule
         from lit_grpo.dpo_data import PreferenceDataModule
 

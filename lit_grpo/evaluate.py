@@ -1,0 +1,148 @@
+"""``lit-grpo eval``: how well a base model, or base + trained adapter, answers held-out prompts.
+
+It reads the same config as ``lit-grpo fit`` (the model and the data sections;
+``--data.*`` flags point it at another task, file or hub dataset), loads the
+adapter a run exported, and scores with the run's own validation reward:
+
+* greedy accuracy, exactly what training's ``val/accuracy`` measures;
+* with ``--samples n``: ``n`` sampled answers per prompt (the config's
+  temperature) and pass@k for each ``--pass_k`` k <= n, by the unbiased
+  estimator of Chen et al. (2021): ``1 - C(n - c, k) / C(n, k)`` for a prompt
+  with ``c`` correct answers out of ``n``, averaged over prompts.
+
+It prints one table row and, with ``--out``, writes the figures as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.cli import LightningCLI
+from tqdm.auto import tqdm
+
+from lit_grpo.data import OnPolicyDataModule
+from lit_grpo.module import GRPOModule
+from lit_grpo.policy import LoraSpec
+from lit_grpo.rollout import generate
+
+
+def pass_at_k(n: int, correct: int, k: int) -> float:
+    """Probability that at least one of ``k`` answers drawn from ``n`` (``correct`` right) is right."""
+    if n - correct < k:
+        return 1.0
+    return 1.0 - math.comb(n - correct, k) / math.comb(n, k)
+
+
+def adapter_lora(folder: str | Path) -> LoraSpec:
+    """The :class:`LoraSpec` an exported PEFT adapter folder was trained with.
+
+    Raises:
+        FileNotFoundError: ``folder`` holds no ``adapter_config.json``.
+    """
+    config_file = Path(folder) / "adapter_config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"--adapter={str(folder)!r}: no adapter_config.json there; expected a folder "
+                                "written by --export_adapter (or PeftModel.save_pretrained).")
+    config = json.loads(config_file.read_text())
+    targets = config["target_modules"]
+    return LoraSpec(r=config["r"], alpha=config["lora_alpha"], dropout=config.get("lora_dropout", 0.0),
+                    target_modules=sorted(targets) if isinstance(targets, list) else targets)
+
+
+def load_adapter(module: GRPOModule, folder: str | Path) -> None:
+    """Copy an exported adapter's weights into the module's (same-shaped) LoRA adapter."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    result = set_peft_model_state_dict(module.policy, load_file(Path(folder) / "adapter_model.safetensors"))
+    if result.unexpected_keys:
+        raise ValueError(f"--adapter={str(folder)!r} holds weights this model has no place for, e.g. "
+                         f"{result.unexpected_keys[0]!r}; was it trained on policy.name_or_path="
+                         f"{module.spec.name_or_path!r}?")
+
+
+@torch.no_grad()
+def evaluate(module: GRPOModule, datamodule: OnPolicyDataModule, samples: int, pass_k: list[int],
+             progress: bool = True) -> dict[str, float]:
+    """Greedy accuracy and pass@k on the validation prompts of an attached module and DataModule."""
+    rows, size = datamodule.val_rows, datamodule.hparams.val_batch_size
+    greedy, passes = [], {k: [] for k in pass_k}
+    sampling = datamodule.sampling
+    generator = torch.Generator(device=module.device).manual_seed(datamodule.hparams.seed)  # the same draws each run
+    bar = tqdm(total=len(rows), desc="eval", unit="prompt", disable=not progress, dynamic_ncols=True)
+    module.eval()
+    for start in range(0, len(rows), size):
+        batch = datamodule.collate_val(rows[start : start + size])
+        greedy += datamodule.score_validation(batch["rows"], module.answer(batch["prompt_ids"],
+                                                                           batch["prompt_mask"])).tolist()
+        if samples:
+            with module.generation_context() as model:
+                texts = generate(model, module.tokenizer, batch["prompt_ids"], batch["prompt_mask"], sampling,
+                                 repeat=samples, generator=generator).texts
+            repeated = [row for row in batch["rows"] for _ in range(samples)]
+            scores = datamodule.score_validation(repeated, texts).view(-1, samples)  # [B, samples]
+            for k in pass_k:
+                passes[k] += [pass_at_k(samples, int((row > 0.5).sum()), k) for row in scores]
+        bar.update(len(batch["rows"]))
+    bar.close()
+    result = {"prompts": len(rows), "greedy_accuracy": sum(greedy) / len(greedy)}
+    result.update({f"pass@{k}": sum(values) / len(values) for k, values in passes.items()})
+    return result
+
+
+class EvalCli(LightningCLI):
+    """The ``lit-grpo eval`` parser: the fit config's model and data, plus what to score."""
+
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.add_argument("--adapter", type=str | None, default=None,
+                            help="A trained adapter folder (--export_adapter of a fit); none scores the base model.")
+        parser.add_argument("--samples", type=int, default=0,
+                            help="Sampled answers per prompt for pass@k (0: greedy accuracy only).")
+        parser.add_argument("--pass_k", type=list[int], default=[1],
+                            help="The k of pass@k, each at most --samples.")
+        parser.add_argument("--out", type=str | None, default=None, help="Also write the figures to this JSON file.")
+        for name in ("export_adapter", "collective_timeout"):  # fit-only keys a fit config may hold
+            parser.add_argument(f"--{name}", default=None, help="Read from a fit config and ignored here.")
+
+    def instantiate_trainer(self, **kwargs) -> L.Trainer:
+        # Only the accelerator matters: no logger, no checkpoints, one device.
+        accelerator = self._get(self.config_init, "trainer", default={}).get("accelerator", "auto")
+        return L.Trainer(accelerator=accelerator, devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+
+
+def main(argv: list[str]) -> dict[str, float]:
+    """``lit-grpo eval [--config FIT.yaml] [--adapter DIR] [--samples N --pass_k K ...] [--out FILE]``."""
+    cli = EvalCli(GRPOModule, OnPolicyDataModule, run=False, args=argv, save_config_callback=None,
+                  parser_kwargs={"prog": "lit-grpo eval",
+                                 "description": "Score a base model or base + adapter on held-out prompts."})
+    config = cli.config
+    samples, pass_k = config["samples"], config["pass_k"]
+    if samples and any(not 1 <= k <= samples for k in pass_k):
+        raise ValueError(f"--pass_k={pass_k}; expected each k in 1..--samples={samples}.")
+    module, datamodule = cli.model, cli.datamodule
+    if config["adapter"]:
+        module.spec = replace(module.spec, lora=adapter_lora(config["adapter"]))
+    cli.trainer.validate(module, datamodule, verbose=False)  # attaches both, loads the model and the prompts
+    if config["adapter"]:
+        load_adapter(module, config["adapter"])
+    result = {"model": module.spec.name_or_path, "adapter": config["adapter"],
+              **evaluate(module, datamodule, samples, pass_k if samples else [])}
+    print(table(result))
+    if config["out"]:
+        Path(config["out"]).parent.mkdir(parents=True, exist_ok=True)
+        Path(config["out"]).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"written to {config['out']}")
+    return result
+
+
+def table(result: dict) -> str:
+    """The figures as a Markdown table row with its header."""
+    columns = ["model", "adapter", "prompts", "greedy_accuracy", *[k for k in result if k.startswith("pass@")]]
+    cells = [f"{result[c]:.3f}" if isinstance(result[c], float) else str(result[c] or "-") for c in columns]
+    return "\n".join(["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns), "| " + " | ".join(cells) + " |"])

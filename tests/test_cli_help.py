@@ -1,0 +1,33 @@
+"""The first screens of the ``lit-grpo`` command: what it offers, and no warnings."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+
+def lit_grpo(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([shutil.which("lit-grpo"), *args], capture_output=True, text=True, timeout=120)
+
+
+def test_help_lists_the_commands_and_prints_no_warning():
+    result = lit_grpo("--help")
+    assert result.returncode == 0 and result.stderr == ""
+    listed = [line.split()[0] for line in result.stdout.splitlines() if line.startswith("  ")]
+    assert listed == ["fit", "validate", "eval", "plot", "dpo"]
+
+
+def test_lightning_commands_that_do_nothing_here_are_gone():
+    result = lit_grpo("test")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "lit-grpo: unknown command 'test'; expected one of ['fit', 'validate', 'eval', 'plot', 'dpo'].")
+    fit_help = lit_grpo("fit", "--help")
+    assert fit_help.returncode == 0 and "--export_adapter" in fit_help.stdout and "Warning" not in fit_help.stderr
+
+
+def test_eval_help_shows_its_options():
+    result = lit_grpo("eval", "--help")
+    assert result.returncode == 0 and "Warning" not in result.stderr
+    for option in ("--adapter", "--samples", "--pass_k", "--out", "--data.source", "--model.policy"):
+        assert option in result.stdout, option

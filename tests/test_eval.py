@@ -1,0 +1,57 @@
+"""``lit-grpo eval``: greedy accuracy and pass@k of a base model or base + exported adapter."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lit_grpo.evaluate import main, pass_at_k
+from lit_grpo.module import GRPOModule
+from lit_grpo.policy import LoraSpec, PolicySpec
+
+
+def test_pass_at_k_by_hand():
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)  # 1 right of 4, one draw
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)  # 1 - C(3,2)/C(4,2) = 1 - 3/6
+    assert pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 3, 2) == 1.0  # n - c < k: a right one is always drawn
+
+
+def letter_share(prompts, completions, **columns):
+    return [sum(ch.isalpha() for ch in text) / max(len(text), 1) for text in completions]
+
+
+def eval_args(tiny: str, *extra: str) -> list[str]:
+    # A random model never answers right; this validation reward still tells answers apart.
+    reward = json.dumps({"class_path": "lit_grpo.rewards.FromCallable",
+                         "init_args": {"function": "test_eval.letter_share"}})
+    return ["--trainer.accelerator=cpu", f"--model.policy.name_or_path={tiny}", "--model.progress=false",
+            "--data.val_size=4", "--data.train_size=8", "--data.sampling.max_new_tokens=6",
+            f"--data.val_reward={reward}", *extra]
+
+
+def test_base_and_adapter_scores_and_json(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path.parent))
+    monkeypatch.syspath_prepend(__import__("os").path.dirname(__file__))
+    base = main(eval_args(tiny_model_dir, "--samples=4", "--pass_k=[1,4]", f"--out={tmp_path / 'base.json'}"))
+    assert base["prompts"] == 4 and base["adapter"] is None
+    assert 0 <= base["pass@1"] <= base["pass@4"] <= 1
+    assert json.loads((tmp_path / "base.json").read_text()) == base
+
+    # An adapter of another rank than LoraSpec's default, with weights that change the answers.
+    module = GRPOModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4)), progress=False)
+    module.configure_model()
+    torch.manual_seed(1)
+    for name, weight in module.policy.named_parameters():
+        if "lora_B" in name:
+            weight.data.normal_(0, 1.0)
+    module.export_adapter(tmp_path / "adapter")
+    tuned = main(eval_args(tiny_model_dir, f"--adapter={tmp_path / 'adapter'}"))
+    assert tuned["adapter"] == str(tmp_path / "adapter")
+    assert tuned["greedy_accuracy"] != base["greedy_accuracy"]  # the adapter's weights are in use
+
+
+def test_pass_k_above_samples_is_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"--pass_k=\[8\]; expected each k in 1..--samples=4"):
+        main(eval_args(tiny_model_dir, "--samples=4", "--pass_k=[8]"))
