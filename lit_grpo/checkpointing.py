@@ -214,6 +214,16 @@ def _weights_problem(saved: Mapping[str, Any], expected: Mapping[str, Any]) -> s
     return None
 
 
+def _disk_full(error: BaseException | None) -> OSError | None:
+    """The out-of-space ``OSError`` behind ``error``, if any: torch's zip writer reports a
+    failed write as a ``RuntimeError`` raised while handling the ``OSError``."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def atomic_torch_save(obj: Any, path: Path) -> None:
     """``torch.save(obj, path)`` so that ``path`` holds either the old or the new file, never a part.
 
@@ -230,10 +240,11 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
         os.replace(tmp, path)
     except BaseException as error:
         tmp.unlink(missing_ok=True)
-        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        full = _disk_full(error)
+        if full is not None:
             kept = f"the previous {path.name} is intact" if path.exists() else "nothing was overwritten"
             raise OSError(
-                f"the disk is full: writing the checkpoint {path} failed ({error.strerror}); {kept}. "
+                f"the disk is full: writing the checkpoint {path} failed ({full.strerror}); {kept}. "
                 "Free space there, or point trainer.default_root_dir to a disk with room."
             ) from error
         raise

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import math
 import os
+import subprocess
 import time
 
 import lightning as L
@@ -509,3 +510,21 @@ def test_cli_rejects_bad_keys_and_values(capsys, argument, message):
     with pytest.raises(SystemExit):
         main(["fit", argument])
     assert message in capsys.readouterr().err
+
+
+def test_a_really_full_disk_keeps_the_previous_checkpoint(tmp_path):
+    # A 256 KiB tmpfs: the first checkpoint fits, the second (1 MiB of weights) does not.
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        target = disk / "last.ckpt"
+        atomic_torch_save({"name": "A"}, target)
+        with pytest.raises(OSError, match=r"the disk is full: writing the checkpoint .*last.ckpt failed"):
+            atomic_torch_save({"name": "B", "weights": torch.zeros(2**18)}, target)
+        assert torch.load(target)["name"] == "A"  # the previous checkpoint, intact
+        assert sorted(p.name for p in disk.iterdir()) == ["last.ckpt"]  # no partial temporary file left
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
