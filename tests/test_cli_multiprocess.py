@@ -42,7 +42,7 @@ def cli_args(tiny: str, root: Path, *extra: str) -> list[str]:
         # A random model never answers right; the text length still differs within a group.
         "--data.rewards", json.dumps([{"class_path": "lit_grpo.rewards.FromCallable",
                                        "init_args": {"function": "distributed_worker.text_length"}}]),
-        "--export_adapter", str(root / "adapter"), "--collective_timeout", "60", *extra,
+        "--export_adapter", str(root / "adapter"), "--collective_timeout", "120", *extra,
     ]
 
 
@@ -123,11 +123,12 @@ def stalled_run(tiny: str, root: Path, *extra: str) -> subprocess.Popen:
 
 
 def test_a_rank_conditional_collective_ends_in_an_error_naming_the_hook(tiny_model_dir, tmp_path):
-    code, output = finish(stalled_run(tiny_model_dir, tmp_path, "--collective_timeout", "15"))
+    # Long enough for rank 1 to start (the timeout bounds the rendezvous too), short enough to wait for.
+    code, output = finish(stalled_run(tiny_model_dir, tmp_path, "--collective_timeout", "45"))
     assert code == 1
     last = output.strip().splitlines()[-1]
     assert last.startswith("lit-grpo: rank 0: a collective failed in StallingRank.on_train_epoch_end"), last
-    assert "Timed out" in last and "stalling_rank.py" in last
+    assert "Timed out waiting 45000ms" in last and "stalling_rank.py" in last
 
 
 def test_sigterm_ends_every_rank_even_inside_a_collective(tiny_model_dir, tmp_path):
