@@ -6,12 +6,16 @@ the worked answer ("47 + 38 = 85") chosen and a plausible slip rejected.
 ``countdown``: reach a target with the given numbers, each used once, with
 ``+ - * /``; the ``countdown`` reward checks the expression with a safe
 evaluator. Each row also carries one valid solution as ``answer``.
+``word_problems``: GSM8K-style multi-step word problems with a ``#### N``
+answer (:mod:`lit_grpo.word_problems`).
 """
 
 from __future__ import annotations
 
 import random
 from typing import Callable
+
+from lit_grpo.word_problems import word_problems
 
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
@@ -139,4 +143,5 @@ TASKS: dict[str, Callable[..., list[dict]]] = {
     "arithmetic": arithmetic,
     "arithmetic_preferences": arithmetic_preferences,
     "countdown": countdown,
+    "word_problems": word_problems,
 }
