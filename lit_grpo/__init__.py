@@ -1,7 +1,7 @@
 """lit_grpo: GRPO for PyTorch Lightning.
 
 ``from lit_grpo import GRPOModule, OnPolicyDataModule, PolicySpec, LoraSpec, SamplingSpec``
-(and ``DPOModule``, ``PreferenceDataModule``, ...) is the way in. These names
+(and ``PPOModule``, ``DPOModule``, ``PreferenceDataModule``, ...) is the way in. These names
 are imported on first use, so that ``import lit_grpo.objectives`` (the pure
 torch math) and ``import lit_grpo.rewards`` never pull Lightning or
 transformers.
@@ -18,6 +18,7 @@ _EXPORTS = {
     "GRPOModule": "lit_grpo.module",
     "OnPolicyDataModule": "lit_grpo.data",
     "DPOModule": "lit_grpo.dpo",
+    "PPOModule": "lit_grpo.ppo",
     "PreferenceDataModule": "lit_grpo.dpo_data",
     "PolicyModule": "lit_grpo.policy_module",
     "PolicySpec": "lit_grpo.policy",

@@ -21,15 +21,21 @@ ROW_KEYS = (
     "advantages",
     "old_logprobs",
     "ref_logprobs",
+    "values",
+    "returns",
 )
+# Of those, the ones with one column per completion token (trimmed with the completions).
+# ``advantages`` is one of them when the estimator is token-level ([N, C], e.g. GAE).
+TOKEN_KEYS = ("completion_ids", "completion_mask", "advantages", "old_logprobs", "ref_logprobs", "values", "returns")
 
 
 class RolloutBuffer(IterableDataset):
     """Micro-batches over a rollout, ``num_iterations`` passes, shuffled per pass.
 
     Args:
-        rows: Tensors keyed by :data:`ROW_KEYS` (``old_logprobs`` and
-            ``ref_logprobs`` may be absent), all with N rows.
+        rows: Tensors keyed by :data:`ROW_KEYS` (``old_logprobs``,
+            ``ref_logprobs``, ``values`` and ``returns`` may be absent), all
+            with N rows; ``advantages`` is ``[N]`` or ``[N, C]``.
         batch_size: Rows per micro-batch; must divide N.
         num_iterations: Passes over the buffer (mu).
         accumulate: Micro-batches per optimizer step; ``num_items`` counts the
@@ -115,7 +121,7 @@ def _trim(batch: dict[str, Tensor]) -> dict[str, Tensor]:
     batch["prompt_mask"] = batch["prompt_mask"][:, start:]
     real_completion = batch["completion_mask"].any(0).nonzero()
     width = int(real_completion.max()) + 1 if len(real_completion) else 1
-    for key in ("completion_ids", "completion_mask", "old_logprobs", "ref_logprobs"):
-        if key in batch:
+    for key in TOKEN_KEYS:
+        if key in batch and batch[key].dim() == 2:
             batch[key] = batch[key][:, :width]
     return batch

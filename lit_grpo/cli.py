@@ -286,6 +286,7 @@ COMMANDS = {
     "eval": "score a base model or base + adapter: lit-grpo eval --config CONFIG --adapter DIR [--samples N]",
     "plot": "draw a finished run's curves: lit-grpo plot RUN_DIR",
     "dpo": "train with DPO: lit-grpo dpo fit --config configs/dpo_quickstart.yaml",
+    "ppo": "train with PPO and a critic: lit-grpo ppo fit --config configs/ppo_quickstart.yaml",
 }
 HELP = "\n".join([
     "usage: lit-grpo COMMAND [options]",
@@ -333,6 +334,12 @@ def _run(argv: list[str]) -> None:
         from lit_grpo.evaluate import main as eval_main
 
         eval_main(argv[1:])
+        return
+    if argv[0] == "ppo":
+        from lit_grpo.ppo import PPOModule
+
+        GRPOCli(PPOModule, OnPolicyDataModule, args=argv[1:], save_config_kwargs={"overwrite": True},
+                parser_kwargs={"prog": "lit-grpo ppo"})
         return
     if argv[0] == "dpo":
         from lit_grpo.dpo import DPOModule

@@ -3,8 +3,9 @@
 ``train_dataloader()`` runs once per epoch (the Trainer needs
 ``reload_dataloaders_every_n_epochs=1``): it takes the next prompts, samples
 G completions each from the *current* policy (the LightningModule it is
-attached to), scores them, turns rewards into group-relative advantages,
-adds reference and old log-probs where the objective needs them, and serves
+attached to), scores them, adds reference and old log-probs where the
+objective needs them, turns rewards into advantages (``advantage_estimator``:
+group-relative, leave-one-out, or GAE from the module's critic), and serves
 the result as micro-batches. Under DDP/FSDP every rank does this for its own
 share of the prompts; a group never spans ranks.
 
@@ -29,7 +30,7 @@ from lit_grpo.buffer import OnDemand, RolloutBuffer
 from lit_grpo.rewards import Accuracy, Format, Reward, RewardCombiner
 from lit_grpo.rollout import SamplingSpec, encode_prompts
 from lit_grpo.distributed import gather_to_rank_zero
-from lit_grpo.rollout_round import RolloutResult, collect_rollout
+from lit_grpo.rollout_round import ESTIMATORS, RolloutResult, collect_rollout
 from lit_grpo.sources import load_rows, rename_columns
 
 
@@ -60,7 +61,11 @@ class OnPolicyDataModule(L.LightningDataModule):
         num_iterations: Optimisation passes over each rollout (mu).
         rewards: Reward functions with their weights.
         advantage_scale: ``group`` (std of the group), ``batch`` (std of the
-            rollout) or ``none`` (Dr. GRPO: no scaling).
+            rollout) or ``none`` (Dr. GRPO: no scaling); read by ``grpo`` only.
+        advantage_estimator: ``grpo`` (group-normalised), ``rloo`` (leave one
+            out) or ``gae`` (per token, from the module's critic: PPOModule);
+            ``None`` takes the module's first choice (``grpo`` for GRPOModule,
+            ``gae`` for PPOModule). ``grpo`` and ``rloo`` need group_size >= 2.
         val_reward: Scores greedy validation answers (``val/accuracy``);
             defaults to ``Accuracy``.
         val_batch_size: Prompts per validation batch.
@@ -92,6 +97,7 @@ class OnPolicyDataModule(L.LightningDataModule):
         num_iterations: int = 1,
         rewards: list[Reward] | None = None,
         advantage_scale: Literal["group", "batch", "none"] = "group",
+        advantage_estimator: Literal["grpo", "rloo", "gae"] | None = None,
         val_reward: Reward | None = None,
         val_batch_size: int = 64,
         repeat: bool = True,
@@ -119,6 +125,7 @@ class OnPolicyDataModule(L.LightningDataModule):
         self.trained = 0  # its micro-batches trained on so far
         self.stats_pending = False  # its statistics are still to be logged
         self.restored: dict | None = None  # a rollout restored from a checkpoint saved inside its epoch
+        self.advantage_estimator = advantage_estimator or "grpo"  # resolved against the module in setup
 
     # ----------------------------------------------------------------- set-up
     def setup(self, stage: str | None = None) -> None:
@@ -138,6 +145,7 @@ class OnPolicyDataModule(L.LightningDataModule):
                     f"data.val_size={hp.val_size} for validation and still train."
                 )
             self.train_rows, self.val_rows = rows[hp.val_size :], rows[: hp.val_size]
+        self._choose_estimator()  # first: a group size the estimator refuses also breaks the budget
         self._check_prompt_budget()
         self.rewards.check_columns(list(self.train_rows[0]), hp.source)
         RewardCombiner([self.val_reward]).check_columns(list(self.val_rows[0]), hp.source)
@@ -179,6 +187,28 @@ class OnPolicyDataModule(L.LightningDataModule):
     def prompts_per_rank(self) -> int:
         """Prompts each rank samples per epoch (whole groups never span ranks)."""
         return self.hparams.prompts_per_epoch // (self.trainer.world_size if self.trainer else 1)
+
+    def _choose_estimator(self) -> None:
+        """Resolve ``advantage_estimator`` against what the module can train with, and its group size."""
+        module = self.trainer.lightning_module if self.trainer else None
+        accepted = getattr(module, "ADVANTAGE_ESTIMATORS", ("grpo", "rloo"))
+        name = self.hparams.advantage_estimator or accepted[0]
+        if name not in ESTIMATORS or name not in accepted:
+            owner = type(module).__name__ if module is not None else "GRPOModule"
+            raise ValueError(
+                f"data.advantage_estimator={name!r}; {owner} trains with one of "
+                f"{list(accepted)} (or null for {accepted[0]!r})."
+            )
+        G = self.sampling.group_size
+        if ESTIMATORS[name].needs_group and G < 2:
+            raise ValueError(
+                f"sampling.group_size={G}; expected >= 2 with data.advantage_estimator={name!r} (its baseline "
+                "comes from the other completions of the same prompt); sample more per prompt, or train a "
+                "critic (PPOModule, advantage_estimator 'gae'), which works with 1."
+            )
+        if self.hparams.dynamic_sampling and G < 2:
+            raise ValueError(f"data.dynamic_sampling=true needs sampling.group_size >= 2, got {G}.")
+        self.advantage_estimator = name
 
     def _check_prompt_budget(self) -> None:
         hp = self.hparams

@@ -80,6 +80,30 @@ def completion_logprobs(
     return logprobs, entropy
 
 
+def completion_hidden_states(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+) -> torch.Tensor:
+    """Final hidden states of the decoder (no output head) at the positions that
+    predict each completion token: ``[N, C, H]``, one full pass.
+
+    Position ``t`` holds the state *before* completion token ``t`` (the one
+    its log-prob is read from), which is what a critic's value ``V_t`` scores.
+    Adapters active in ``model`` apply (peft injects them into the layers).
+    """
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [N, P + C]
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [N, P + C]
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [N, P + C], as in _full_logits
+    P, C = prompt_ids.shape[1], completion_ids.shape[1]
+    hidden = _base_model(model).get_decoder()(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+    ).last_hidden_state  # [N, P + C, H]
+    return hidden[:, P - 1 : P + C - 1]  # [N, C, H]
+
+
 def _fusable_head(model: nn.Module) -> nn.Linear | None:
     """The output head when the logits are exactly ``head(hidden)``, else ``None``."""
     from torch.distributed.tensor import DTensor

@@ -129,10 +129,18 @@ class GRPOModule(PolicyModule):
         self.val_accuracy = MeanMetric()
         self.merged: MergedPolicy | None = None  # built at the first rollout, on the policy's device
 
+    # The DataModule's advantage estimators this objective trains with; the first is the default.
+    ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
+
     # ------------------------------------------------------------------ model
     @property
     def needs_reference(self) -> bool:
         return self.hparams.beta > 0
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """Whether the rollout must store pi_old even when the rollout gets one optimizer step."""
+        return False
 
     @contextlib.contextmanager
     def generation_context(self):
@@ -163,7 +171,7 @@ class GRPOModule(PolicyModule):
         ``reference=True`` scores with the reference policy (the adapter
         disabled, or the frozen copy under full fine-tuning).
         """
-        size = self.trainer.datamodule.hparams.batch_size if self._trainer else len(rows["advantages"])
+        size = self.trainer.datamodule.hparams.batch_size if self._trainer else len(rows["prompt_ids"])
         out = []
         with self.reference_model() if reference else contextlib.nullcontext(self.policy) as model:
             was_training = model.training
@@ -179,10 +187,7 @@ class GRPOModule(PolicyModule):
     # --------------------------------------------------------------- training
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         hp = self.hparams
-        stats = self.trainer.datamodule.take_stats()  # once per rollout (the loader builds it on first use)
-        if stats:
-            self.log_reduced({k: v for k, v in stats.items() if k not in MAX_STATS})
-            self.log_reduced({k: stats[k] for k in MAX_STATS}, op="max")
+        self._log_rollout_stats()
         start = time.perf_counter()
         batch, scale = self._rows_with_gradient(batch)
         if batch is None:  # every row's gradient is exactly zero: no forward, no backward
@@ -218,6 +223,12 @@ class GRPOModule(PolicyModule):
         self._log_step(metrics, result.loss.detach(), rows=mask.shape[0])
         self._backward_start = time.perf_counter()
         return loss
+
+    def _log_rollout_stats(self) -> None:
+        stats = self.trainer.datamodule.take_stats()  # once per rollout (the loader builds it on first use)
+        if stats:
+            self.log_reduced({k: v for k, v in stats.items() if k not in MAX_STATS})
+            self.log_reduced({k: stats[k] for k in MAX_STATS}, op="max")
 
     def _log_step(self, metrics: dict, loss, rows: int) -> None:
         # Every rank reaches this in every step, also one whose rows were all skipped

@@ -22,7 +22,8 @@ class SamplingSpec:
     """How completions are sampled.
 
     Args:
-        group_size: Completions per prompt (G); group statistics need G >= 2.
+        group_size: Completions per prompt (G); group-relative advantages
+            (``grpo``, ``rloo``) need G >= 2, a critic (``gae``) works with 1.
         temperature: Sampling temperature (> 0). The objective's log-probs use
             the same temperature, so the ratio compares like with like.
         top_p: Nucleus sampling mass in (0, 1]; 1 disables it.
@@ -43,11 +44,8 @@ class SamplingSpec:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if self.group_size < 2:
-            raise ValueError(
-                f"sampling.group_size={self.group_size}; expected >= 2 (the advantage is "
-                "relative to the other completions of the same prompt)."
-            )
+        if self.group_size < 1:  # >= 2 for group estimators: checked where the estimator is known
+            raise ValueError(f"sampling.group_size={self.group_size}; expected >= 1.")
         if not self.temperature > 0:
             raise ValueError(f"sampling.temperature={self.temperature}; expected > 0.")
         if not 0 < self.top_p <= 1:

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
-from lit_grpo.objectives import group_advantages
+from lit_grpo.objectives import gae_advantages, group_advantages, ppo_token_rewards, rloo_advantages, whiten
 from lit_grpo.rollout import Rollout, generate
 
 
@@ -60,7 +62,7 @@ def collect_rollout(datamodule, module, rank: int) -> RolloutResult:
         groups, tokens = _sample_groups(datamodule, module, prompts, timings, round_index)
         generated_tokens += tokens
         for group in groups:
-            collapsed = bool(group_advantages(group.rewards, G).collapsed[0])
+            collapsed = hp.dynamic_sampling and bool(group_advantages(group.rewards, G).collapsed[0])
             (spare if hp.dynamic_sampling and collapsed else kept).append(group)
         missing = torch.tensor(float(max(local - len(kept), 0)))
         if datamodule.trainer.strategy.reduce(missing, reduce_op="sum") == 0:
@@ -131,23 +133,72 @@ def _assemble(groups: list[_Group], module, datamodule, timings: dict):
     if sampling.mask_truncated:
         rows["completion_mask"] = rows["completion_mask"] * (~truncated).unsqueeze(-1)
     rewards = torch.cat([g.rewards for g in groups])  # [N]
-    advantages = group_advantages(rewards, sampling.group_size, scale=hp.advantage_scale)
-    rows["advantages"] = advantages.advantages
     start = time.perf_counter()
     if module.needs_reference:
         rows["ref_logprobs"] = module.rollout_logprobs(rows, sampling.temperature, reference=True)
         timings["reference"] = time.perf_counter() - start
     steps_per_rollout = len(rewards) // hp.batch_size // datamodule.trainer.accumulate_grad_batches
-    if hp.num_iterations > 1 or steps_per_rollout > 1:
+    if hp.num_iterations > 1 or steps_per_rollout > 1 or module.needs_old_logprobs:
         # The policy moves between optimizer steps on this rollout, so pi_old must
         # be frozen now; with a single step pi_old = pi_theta and the training
         # step uses its own detached log-probs instead (no extra forward pass).
         start = time.perf_counter()
         rows["old_logprobs"] = module.rollout_logprobs(rows, sampling.temperature, reference=False)
         timings["old_logprobs"] = time.perf_counter() - start
-    stats = {"rollout/collapsed_fraction": advantages.collapsed.float().mean().item(),
-             "rollout/truncated_fraction": truncated.float().mean().item()}
+    estimated, stats = ESTIMATORS[datamodule.advantage_estimator].compute(rewards, rows, module, datamodule)
+    rows.update(estimated)
+    stats["rollout/truncated_fraction"] = truncated.float().mean().item()
     return rows, stats
+
+
+def _group_relative(rewards: Tensor, rows: dict, module, datamodule):
+    result = group_advantages(rewards, datamodule.sampling.group_size, scale=datamodule.hparams.advantage_scale)
+    return {"advantages": result.advantages}, {"rollout/collapsed_fraction": result.collapsed.float().mean().item()}
+
+
+def _leave_one_out(rewards: Tensor, rows: dict, module, datamodule):
+    result = rloo_advantages(rewards, datamodule.sampling.group_size)
+    return {"advantages": result.advantages}, {"rollout/collapsed_fraction": result.collapsed.float().mean().item()}
+
+
+def _gae(rewards: Tensor, rows: dict, module, datamodule):
+    """Per-token GAE advantages (whitened over the rollout's real tokens) and returns.
+
+    The values come from the module's critic as it was at rollout time; the
+    per-token rewards carry the sequence reward on the last token and, with
+    ``kl_coef > 0``, minus ``kl_coef`` times the k1 KL to the reference.
+    """
+    mask = rows["completion_mask"]  # [N, C]
+    values = module.rollout_values(rows)  # [N, C]
+    hp = module.hparams
+    token_rewards = ppo_token_rewards(rewards, mask, rows.get("old_logprobs"), rows.get("ref_logprobs"),
+                                      beta=hp.kl_coef)  # [N, C]
+    result = gae_advantages(token_rewards, values, mask, gamma=hp.gamma, lam=hp.lam)
+    advantages = whiten(result.advantages, mask) if hp.whiten_advantages else result.advantages  # [N, C]
+    real = mask.bool()
+    stats = {"rollout/value_mean": values[real].mean().item() if real.any() else 0.0,
+             "rollout/return_mean": result.returns[real].mean().item() if real.any() else 0.0}
+    return {"advantages": advantages, "values": values, "returns": result.returns}, stats
+
+
+class Estimator(NamedTuple):
+    """An advantage estimator the DataModule can be configured with.
+
+    Attributes:
+        compute: ``(rewards [N], rows, module, datamodule) -> (rows to add, stats)``.
+        needs_group: Baselines from the other completions of the prompt (G >= 2).
+    """
+
+    compute: Callable
+    needs_group: bool
+
+
+# data.advantage_estimator -> how the rollout's advantages are computed.
+ESTIMATORS: dict[str, Estimator] = {
+    "grpo": Estimator(_group_relative, needs_group=True),
+    "rloo": Estimator(_leave_one_out, needs_group=True),
+    "gae": Estimator(_gae, needs_group=False),
+}
 
 
 def _rollout_stats(groups: list[_Group], rows: dict[str, Tensor], G: int) -> dict[str, float]:

@@ -162,9 +162,13 @@ def test_prompt_longer_than_max_prompt_length_is_truncated_with_a_warning(module
         set_up(data(max_prompt_length=8, prompt_overflow="truncate"), module)
 
 
-def test_group_size_below_two():
-    with pytest.raises(ValueError, match=r"sampling.group_size=1; expected >= 2"):
-        SamplingSpec(group_size=1)
+def test_group_size_below_two(module):
+    with pytest.raises(ValueError, match=r"sampling.group_size=0; expected >= 1"):
+        SamplingSpec(group_size=0)
+    # One completion per prompt leaves no group to compare with: GRPO and RLOO refuse it
+    # (PPO's critic needs no group, see tests/test_ppo.py).
+    with pytest.raises(ValueError, match=r"sampling.group_size=1; expected >= 2 with data.advantage_estimator='grpo'"):
+        set_up(data(sampling=SamplingSpec(group_size=1, max_new_tokens=4), batch_size=2), module)
 
 
 def test_batch_size_that_splits_a_group():
@@ -478,12 +482,12 @@ def test_user_error_is_one_line_unless_debugging(capsys, monkeypatch, debug):
     if debug:
         monkeypatch.setenv("LIT_GRPO_DEBUG", "1")
     try:
-        SamplingSpec(group_size=1)
+        SamplingSpec(group_size=0)
     except ValueError as error:
         code = report_failure(error)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
-    assert err[-1].startswith("lit-grpo: sampling.group_size=1; expected >= 2")
+    assert err[-1].startswith("lit-grpo: sampling.group_size=0; expected >= 1")
     assert ("Traceback (most recent call last):" in err) == debug
 
 

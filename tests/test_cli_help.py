@@ -14,14 +14,14 @@ def test_help_lists_the_commands_and_prints_no_warning():
     result = lit_grpo("--help")
     assert result.returncode == 0 and result.stderr == ""
     listed = [line.split()[0] for line in result.stdout.splitlines() if line.startswith("  ")]
-    assert listed == ["fit", "validate", "eval", "plot", "dpo"]
+    assert listed == ["fit", "validate", "eval", "plot", "dpo", "ppo"]
 
 
 def test_lightning_commands_that_do_nothing_here_are_gone():
     result = lit_grpo("test")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
-        "lit-grpo: unknown command 'test'; expected one of ['fit', 'validate', 'eval', 'plot', 'dpo'].")
+        "lit-grpo: unknown command 'test'; expected one of ['fit', 'validate', 'eval', 'plot', 'dpo', 'ppo'].")
     fit_help = lit_grpo("fit", "--help")
     assert fit_help.returncode == 0 and "--export_adapter" in fit_help.stdout and "Warning" not in fit_help.stderr
 

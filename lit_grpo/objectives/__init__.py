@@ -14,6 +14,9 @@ Pipeline, one rollout batch of B prompts x G completions (N = B*G rows):
 * :func:`grpo_loss` -- clipped surrogate + k3 KL, aggregated by ``loss_type``
   (sections 3-6); returns a :class:`LossOutput` with ``.loss`` and ``.metrics``.
 
+* :func:`ppo_loss` -- the token-level clipped PPO surrogate on per-token
+  (GAE) advantages plus a clipped value loss, same :class:`LossOutput`.
+
 * :func:`dpo_loss` -- preference pairs' summed log-probs (policy and
   reference, see :func:`sequence_logps`) -> the sigmoid DPO loss, same
   :class:`LossOutput`.
@@ -34,6 +37,7 @@ from lit_grpo.objectives.estimators import (
     whiten,
 )
 from lit_grpo.objectives.grpo import LossOutput, grpo_loss
+from lit_grpo.objectives.ppo import ppo_loss
 from lit_grpo.objectives.logprobs import head_logprobs, token_entropy, token_logprobs
 
 __all__ = [
@@ -46,6 +50,7 @@ __all__ = [
     "group_advantages",
     "grpo_loss",
     "head_logprobs",
+    "ppo_loss",
     "ppo_token_rewards",
     "reinforce_pp_advantages",
     "rloo_advantages",

@@ -1,0 +1,230 @@
+"""PPOModule: PPO with a critic, for a LoRA policy (InstructGPT-style RLHF, rule rewards).
+
+The actor is the LoRA policy GRPO trains. The critic shares its frozen base:
+a second LoRA adapter named ``critic`` on the same peft model plus a value
+head ``Linear(hidden, 1)`` on the decoder's last hidden state, so actor,
+critic and reference (every adapter disabled) cost one set of base weights.
+One training step runs the actor pass (adapter ``default``) and the critic
+pass (adapter ``critic``) and backpropagates their summed loss
+(:func:`~lit_grpo.objectives.ppo_loss`) into both adapters and the head.
+
+At rollout time the DataModule's ``gae`` estimator asks this module for the
+critic's values (:meth:`PPOModule.rollout_values`), builds per-token rewards
+(the sequence reward on the last token, minus ``kl_coef`` x the k1 KL to
+the reference), and stores GAE advantages (whitened over the rollout's real
+tokens) and returns in the buffer.
+
+Departures from the papers, on purpose:
+
+* The critic is an adapter on the actor's frozen base, not a separate model
+  (a separate critic model is not implemented yet).
+* Rollouts decode through the adapter, never through the merged view
+  (:mod:`lit_grpo.merged` folds a single adapter).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import time
+from collections.abc import Iterator
+from typing import Literal
+
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torch import nn
+
+from lit_grpo.distributed import gathered
+from lit_grpo.logprob_passes import completion_hidden_states, completion_logprobs
+from lit_grpo.module import GRPOModule
+from lit_grpo.objectives import ppo_loss
+from lit_grpo.objectives.grpo import CLIP_METRICS
+from lit_grpo.objectives.ppo import VALUE_METRICS
+from lit_grpo.policy import PolicySpec, build_policy
+
+ACTOR, CRITIC = "default", "critic"  # peft adapter names
+_SCORED = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+
+
+class PPOModule(GRPOModule):
+    """Proximal Policy Optimization with a LoRA actor and a LoRA critic on one frozen base.
+
+    Args:
+        policy: Which model to train and its adapter (LoRA is required: the
+            critic is a second adapter of the same shape).
+        vf_coef: Weight of the value loss in the total loss.
+        value_clip: Half-width of the clip of new values around the rollout's.
+        gamma: Discount per completion token.
+        lam: GAE's lambda (0: one-step TD error, 1: Monte-Carlo return).
+        kl_coef: Weight of the k1 KL to the reference inside the per-token
+            rewards; 0 skips the reference pass.
+        whiten_advantages: Whiten the GAE advantages over the rollout's real tokens.
+        epsilon_low: Lower clip range of the ratio (1 - epsilon_low).
+        epsilon_high: Upper clip range of the ratio (1 + epsilon_high).
+        loss_type: Aggregation of the policy term over tokens: ``bnpo`` (token
+            mean per micro-batch), ``grpo`` (mean per sequence, then over
+            sequences) or ``dr_grpo`` (sum / (rows x max_completion_length)).
+        max_completion_length: Denominator of ``dr_grpo``; defaults to the
+            DataModule's ``sampling.max_new_tokens``.
+        optimizer: Optimizer factory over actor, critic and value head; ``None``
+            gives AdamW with lr 1e-4 and no weight decay.
+        scheduler: Optional learning-rate scheduler factory (stepped per optimizer step).
+        max_nonfinite_steps: Consecutive optimizer steps with a NaN/inf
+            gradient that are skipped before training stops with an error.
+        log_samples: Sample completions written per epoch to ``samples.jsonl``.
+        progress: Show progress bars for rollout generation.
+        validate_before_training: Score the validation prompts once before the first step.
+    """
+
+    ADVANTAGE_ESTIMATORS = ("gae",)
+
+    def __init__(
+        self,
+        policy: PolicySpec | None = None,
+        vf_coef: float = 0.5,
+        value_clip: float = 0.2,
+        gamma: float = 1.0,
+        lam: float = 0.95,
+        kl_coef: float = 0.0,
+        whiten_advantages: bool = True,
+        epsilon_low: float = 0.2,
+        epsilon_high: float = 0.2,
+        loss_type: Literal["bnpo", "grpo", "dr_grpo"] = "bnpo",
+        max_completion_length: int | None = None,
+        optimizer: OptimizerCallable | None = None,
+        scheduler: LRSchedulerCallable | None = None,
+        max_nonfinite_steps: int = 3,
+        log_samples: int = 2,
+        progress: bool = True,
+        validate_before_training: bool = True,
+    ) -> None:
+        if loss_type not in ("bnpo", "grpo", "dr_grpo"):  # dapo's global rescale would scale the value loss too
+            raise ValueError(f"model.loss_type={loss_type!r}; expected one of ['bnpo', 'dr_grpo', 'grpo'].")
+        super().__init__(policy, beta=0.0, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+                         loss_type=loss_type, max_completion_length=max_completion_length,
+                         optimizer=optimizer, scheduler=scheduler, max_nonfinite_steps=max_nonfinite_steps,
+                         log_samples=log_samples, progress=progress,
+                         validate_before_training=validate_before_training,
+                         skip_zero_gradient_rows=False, merge_for_generation=False)
+        # Only this class's own arguments (save_hyperparameters merges into GRPOModule's):
+        # the saved hyper-parameters must rebuild a PPOModule.
+        self.hparams.clear()
+        self.save_hyperparameters(ignore=["optimizer", "scheduler"], frame=inspect.currentframe())
+        for name, value in (("vf_coef", vf_coef), ("value_clip", value_clip), ("kl_coef", kl_coef)):
+            if not value >= 0:
+                raise ValueError(f"model.{name}={value}; expected >= 0.")
+        for name, value in (("gamma", gamma), ("lam", lam)):
+            if not 0 <= value <= 1:
+                raise ValueError(f"model.{name}={value}; expected a value in [0, 1].")
+        if self.spec.lora is None:
+            raise ValueError("PPOModule needs model.policy.lora: the critic is a second LoRA adapter "
+                             "on the policy's frozen base (a separate critic model is not supported yet).")
+        self.value_head: nn.Linear | None = None
+        self._trainable: list[nn.Parameter] = []
+
+    # ------------------------------------------------------------------ model
+    @property
+    def needs_reference(self) -> bool:
+        return self.hparams.kl_coef > 0
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        return self.hparams.kl_coef > 0  # the per-token rewards read the rollout policy's log-probs
+
+    def configure_model(self) -> None:
+        """Load the policy and add the critic adapter and the value head (once), then
+        let the base class shard it (the adapters must exist before FSDP2 wraps the layers)."""
+        if self.policy is None:
+            self.policy, self.reference = build_policy(self.spec, need_reference=False)
+            self._add_critic()
+        super().configure_model()
+
+    def _add_critic(self) -> None:
+        self.policy.add_adapter(CRITIC, copy.deepcopy(self.policy.peft_config[ACTOR]))
+        self.policy.set_adapter(ACTOR)
+        self._trainable = [p for name, p in self.policy.named_parameters() if "lora_" in name]
+        for p in self._trainable:
+            p.requires_grad_(True)  # peft leaves only the active adapter trainable; both train here
+        hidden = self.policy.get_base_model().config.hidden_size
+        self.value_head = nn.Linear(hidden, 1, device=self._trainable[0].device)
+
+    @contextlib.contextmanager
+    def _adapters_kept_trainable(self) -> Iterator[None]:
+        """Undo peft's requires_grad toggling (``set_adapter``, ``disable_adapter``) on exit."""
+        try:
+            yield
+        finally:
+            for p in self._trainable:
+                p.requires_grad_(True)
+
+    @contextlib.contextmanager
+    def _critic(self) -> Iterator[nn.Module]:
+        """The policy with the critic adapter active (the actor's again on exit)."""
+        with self._adapters_kept_trainable():
+            self.policy.set_adapter(CRITIC)
+            try:
+                yield self.policy
+            finally:
+                self.policy.set_adapter(ACTOR)
+
+    @contextlib.contextmanager
+    def reference_model(self) -> Iterator[nn.Module]:
+        with self._adapters_kept_trainable(), super().reference_model() as model:
+            yield model
+
+    @contextlib.contextmanager
+    def generation_context(self):
+        with gathered(self.policy):  # through the actor adapter, see the module docstring
+            yield self.policy
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return super().trainable_parameters() + list(self.value_head.parameters())
+
+    def critic_values(self, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+        """The critic's value of the state before each completion token: ``[n, C]`` float32."""
+        with self._critic() as model:
+            hidden = completion_hidden_states(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        return self.value_head(hidden.float()).squeeze(-1)  # [n, C]
+
+    @torch.no_grad()
+    def rollout_values(self, rows: dict) -> torch.Tensor:
+        """Values of rollout completions under the current critic, without grad: ``[N, C]``, 0 at padding."""
+        size = self.trainer.datamodule.hparams.batch_size if self._trainer else len(rows["prompt_ids"])
+        was_training = self.training
+        self.eval()
+        out = []
+        for start in range(0, rows["prompt_ids"].shape[0], size):
+            part = {k: rows[k][start : start + size].to(self.device) for k in _SCORED}
+            out.append((self.critic_values(**part) * part["completion_mask"]).float().cpu())
+        self.train(was_training)
+        return torch.cat(out)  # [N, C]
+
+    # --------------------------------------------------------------- training
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        hp = self.hparams
+        self._log_rollout_stats()
+        start = time.perf_counter()
+        scored = {k: batch[k] for k in _SCORED}
+        logprobs, entropy = completion_logprobs(self.policy, **scored, temperature=batch["temperature"],
+                                                with_entropy=True)  # [n, C]
+        values = self.critic_values(**scored)  # [n, C]
+        mask = batch["completion_mask"]
+        result = ppo_loss(
+            logprobs, batch.get("old_logprobs", logprobs.detach()), batch["advantages"], mask,
+            values, batch["values"], batch["returns"],
+            epsilon_low=hp.epsilon_low, epsilon_high=hp.epsilon_high, value_clip=hp.value_clip,
+            vf_coef=hp.vf_coef, loss_type=hp.loss_type,
+            max_completion_length=hp.max_completion_length or self.trainer.datamodule.sampling.max_new_tokens,
+        )
+        self._add_time("policy_forward", time.perf_counter() - start)
+        metrics = {f"train/{k}": v for k, v in result.metrics.items()}
+        metrics["train/entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
+        self._log_step({name: metrics[name] for name in self._step_metric_names()}, result.loss.detach(),
+                       rows=mask.shape[0])
+        self._backward_start = time.perf_counter()
+        return result.loss
+
+    def _step_metric_names(self) -> list[str]:
+        return [f"train/{k}" for k in ("policy_loss", *CLIP_METRICS, *VALUE_METRICS, "entropy")]
+
