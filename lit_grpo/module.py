@@ -41,6 +41,8 @@ from lit_grpo.rollout_round import MAX_STATS
 # ranks; Lightning averages micro-batches and DDP averages ranks, so these
 # losses are scaled back up to a plain sum.
 _GLOBALLY_NORMALISED = {"dapo"}
+# The rollout columns a scoring pass reads.
+SCORED_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
 # Phases of a training step timed per epoch (logged as time/<phase>).
 _STEP_PHASES = ("policy_forward", "policy_backward", "optimizer")
 
@@ -171,17 +173,25 @@ class GRPOModule(PolicyModule):
         ``reference=True`` scores with the reference policy (the adapter
         disabled, or the frozen copy under full fine-tuning).
         """
-        size = self.trainer.datamodule.hparams.batch_size if self._trainer else len(rows["prompt_ids"])
-        out = []
         with self.reference_model() if reference else contextlib.nullcontext(self.policy) as model:
             was_training = model.training
             model.eval()
-            for start in range(0, rows["prompt_ids"].shape[0], size):
-                part = {k: rows[k][start : start + size].to(self.device) for k in
-                        ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
-                logprobs, _ = completion_logprobs(model, **part, temperature=temperature)
-                out.append(logprobs.float().cpu())
+            logprobs = self.score_rollout(rows, lambda **part: completion_logprobs(
+                model, **part, temperature=temperature)[0])
             model.train(was_training)
+        return logprobs
+
+    def score_rollout(self, rows: dict, score) -> torch.Tensor:
+        """``score(**part)`` over the rollout's rows in micro-batches, concatenated on the CPU: ``[N, C]``.
+
+        ``part`` holds a micro-batch's ``prompt_ids``, ``prompt_mask``,
+        ``completion_ids`` and ``completion_mask`` on the module's device.
+        """
+        size = self.trainer.datamodule.hparams.batch_size if self._trainer else len(rows["prompt_ids"])
+        out = []
+        for start in range(0, rows["prompt_ids"].shape[0], size):
+            part = {k: rows[k][start : start + size].to(self.device) for k in SCORED_KEYS}
+            out.append(score(**part).float().cpu())
         return torch.cat(out)  # [N, C]
 
     # --------------------------------------------------------------- training

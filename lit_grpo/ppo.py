@@ -37,14 +37,13 @@ from torch import nn
 
 from lit_grpo.distributed import gathered
 from lit_grpo.logprob_passes import completion_hidden_states, completion_logprobs
-from lit_grpo.module import GRPOModule
+from lit_grpo.module import SCORED_KEYS, GRPOModule
 from lit_grpo.objectives import ppo_loss
 from lit_grpo.objectives.grpo import CLIP_METRICS
 from lit_grpo.objectives.ppo import VALUE_METRICS
 from lit_grpo.policy import PolicySpec, build_policy
 
 ACTOR, CRITIC = "default", "critic"  # peft adapter names
-_SCORED = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
 
 
 class PPOModule(GRPOModule):
@@ -190,22 +189,18 @@ class PPOModule(GRPOModule):
     @torch.no_grad()
     def rollout_values(self, rows: dict) -> torch.Tensor:
         """Values of rollout completions under the current critic, without grad: ``[N, C]``, 0 at padding."""
-        size = self.trainer.datamodule.hparams.batch_size if self._trainer else len(rows["prompt_ids"])
         was_training = self.training
         self.eval()
-        out = []
-        for start in range(0, rows["prompt_ids"].shape[0], size):
-            part = {k: rows[k][start : start + size].to(self.device) for k in _SCORED}
-            out.append((self.critic_values(**part) * part["completion_mask"]).float().cpu())
+        values = self.score_rollout(rows, lambda **part: self.critic_values(**part) * part["completion_mask"])
         self.train(was_training)
-        return torch.cat(out)  # [N, C]
+        return values
 
     # --------------------------------------------------------------- training
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         hp = self.hparams
         self._log_rollout_stats()
         start = time.perf_counter()
-        scored = {k: batch[k] for k in _SCORED}
+        scored = {k: batch[k] for k in SCORED_KEYS}
         logprobs, entropy = completion_logprobs(self.policy, **scored, temperature=batch["temperature"],
                                                 with_entropy=True)  # [n, C]
         values = self.critic_values(**scored)  # [n, C]
