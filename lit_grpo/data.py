@@ -63,9 +63,11 @@ class OnPolicyDataModule(L.LightningDataModule):
         advantage_scale: ``group`` (std of the group), ``batch`` (std of the
             rollout) or ``none`` (Dr. GRPO: no scaling); read by ``grpo`` only.
         advantage_estimator: ``grpo`` (group-normalised), ``rloo`` (leave one
-            out) or ``gae`` (per token, from the module's critic: PPOModule);
-            ``None`` takes the module's first choice (``grpo`` for GRPOModule,
-            ``gae`` for PPOModule). ``grpo`` and ``rloo`` need group_size >= 2.
+            out), ``reinforce_pp`` (REINFORCE++: per token, batch-whitened
+            returns with the module's ``beta`` x KL in the rewards) or ``gae``
+            (per token, from the module's critic: PPOModule); ``None`` takes
+            the module's first choice (``grpo`` for GRPOModule, ``gae`` for
+            PPOModule). ``grpo`` and ``rloo`` need group_size >= 2.
         val_reward: Scores greedy validation answers (``val/accuracy``);
             defaults to ``Accuracy``.
         val_batch_size: Prompts per validation batch.
@@ -97,7 +99,7 @@ class OnPolicyDataModule(L.LightningDataModule):
         num_iterations: int = 1,
         rewards: list[Reward] | None = None,
         advantage_scale: Literal["group", "batch", "none"] = "group",
-        advantage_estimator: Literal["grpo", "rloo", "gae"] | None = None,
+        advantage_estimator: Literal["grpo", "rloo", "reinforce_pp", "gae"] | None = None,
         val_reward: Reward | None = None,
         val_batch_size: int = 64,
         repeat: bool = True,

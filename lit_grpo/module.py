@@ -53,7 +53,10 @@ class GRPOModule(PolicyModule):
     Args:
         policy: Which model to train, its adapter, quantization and dtype.
         beta: Weight of the k3 KL penalty to the reference policy; 0 skips the
-            reference forward pass entirely.
+            reference forward pass entirely. Under an estimator in
+            :attr:`KL_IN_REWARDS` (``data.advantage_estimator: reinforce_pp``)
+            it weighs the k1 KL inside the per-token rewards instead, and the
+            loss has no KL term.
         epsilon_low: Lower clip range of the ratio (1 - epsilon_low).
         epsilon_high: Upper clip range (1 + epsilon_high); DAPO's clip-higher
             uses 0.28.
@@ -132,7 +135,9 @@ class GRPOModule(PolicyModule):
         self.merged: MergedPolicy | None = None  # built at the first rollout, on the policy's device
 
     # The DataModule's advantage estimators this objective trains with; the first is the default.
-    ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
+    ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
+    # Those whose per-token rewards carry the KL to the reference (REINFORCE++), so the loss leaves it out.
+    KL_IN_REWARDS = ("reinforce_pp",)
 
     # ------------------------------------------------------------------ model
     @property
@@ -141,8 +146,15 @@ class GRPOModule(PolicyModule):
 
     @property
     def needs_old_logprobs(self) -> bool:
-        """Whether the rollout must store pi_old even when the rollout gets one optimizer step."""
-        return False
+        """Whether the rollout must store pi_old even when the rollout gets one optimizer step
+        (the per-token KL rewards read the rollout policy's log-probs)."""
+        return self.kl_in_rewards and self.hparams.beta > 0
+
+    @property
+    def kl_in_rewards(self) -> bool:
+        """Whether the DataModule's advantage estimator puts the KL (weight ``beta``) into its
+        per-token rewards (:attr:`KL_IN_REWARDS`) rather than the loss."""
+        return self._trainer is not None and self.trainer.datamodule.advantage_estimator in self.KL_IN_REWARDS
 
     @contextlib.contextmanager
     def generation_context(self):
@@ -215,7 +227,7 @@ class GRPOModule(PolicyModule):
             batch["advantages"],
             mask,
             ref_logprobs=batch.get("ref_logprobs"),
-            beta=hp.beta,
+            beta=0.0 if self.kl_in_rewards else hp.beta,
             epsilon_low=hp.epsilon_low,
             epsilon_high=hp.epsilon_high,
             loss_type=hp.loss_type,
@@ -248,23 +260,25 @@ class GRPOModule(PolicyModule):
 
     def _step_metric_names(self) -> list[str]:
         """The metrics every training step logs, in a fixed order (the same on every rank)."""
-        kl = ["kl"] if self.hparams.beta > 0 else []
+        kl = ["kl"] if self.hparams.beta > 0 and not self.kl_in_rewards else []
         return [f"train/{k}" for k in (*CLIP_METRICS, *kl, "entropy")]
 
     def _rows_with_gradient(self, batch: dict) -> tuple[dict | None, float]:
         """Drop the rows whose gradient is exactly zero; return the rest and the loss scale.
 
-        With ``beta == 0`` a row with zero advantage (every row of a collapsed
-        group) contributes exactly 0 to the loss and its gradient, but it still
+        With no KL in the loss (``beta == 0``, or the KL in the rewards) a row
+        whose advantages are all zero (every row of a collapsed group)
+        contributes exactly 0 to the loss and its gradient, but it still
         counts in the denominator of ``grpo``/``dr_grpo`` (rows) and ``bnpo``
         (tokens); the loss of the remaining rows is scaled by kept/all of that
         denominator, so the step is the same as with every row. ``dapo``
         divides by a count fixed for the whole step. Returns ``(None, 0)`` when
         no row is left. The logged training metrics then cover the kept rows.
         """
-        if not self.hparams.skip_zero_gradient_rows or self.hparams.beta > 0:
+        if not self.hparams.skip_zero_gradient_rows or (self.hparams.beta > 0 and not self.kl_in_rewards):
             return batch, 1.0
-        keep = batch["advantages"] != 0  # [n]
+        advantages = batch["advantages"]  # [n] or [n, C]
+        keep = (advantages != 0).reshape(len(advantages), -1).any(-1)  # [n]
         if bool(keep.all()):
             return batch, 1.0
         if not bool(keep.any()):

@@ -1,12 +1,17 @@
 """PPOModule: PPO with a critic, for a LoRA policy (InstructGPT-style RLHF, rule rewards).
 
-The actor is the LoRA policy GRPO trains. The critic shares its frozen base:
-a second LoRA adapter named ``critic`` on the same peft model plus a value
-head ``Linear(hidden, 1)`` on the decoder's last hidden state, so actor,
-critic and reference (every adapter disabled) cost one set of base weights.
-One training step runs the actor pass (adapter ``default``) and the critic
-pass (adapter ``critic``) and backpropagates their summed loss
-(:func:`~lit_grpo.objectives.ppo_loss`) into both adapters and the head.
+The actor is the LoRA policy GRPO trains. By default the critic shares its
+frozen base: a second LoRA adapter named ``critic`` on the same peft model
+plus a value head ``Linear(hidden, 1)`` on the decoder's last hidden state,
+so actor, critic and reference (every adapter disabled) cost one set of base
+weights. With ``critic`` set to a :class:`~lit_grpo.policy.PolicySpec` the
+critic is a model of its own instead (LoRA or fully fine-tuned, any causal LM
+with the actor's tokenizer) under the same kind of value head: a second set
+of base weights, in exchange for a critic whose features the actor's updates
+do not move (and an actor whose single adapter can be merged for decoding).
+One training step runs the actor pass and the critic pass and backpropagates
+their summed loss (:func:`~lit_grpo.objectives.ppo_loss`) into the actor, the
+critic and the head.
 
 At rollout time the DataModule's ``gae`` estimator asks this module for the
 critic's values (:meth:`PPOModule.rollout_values`), builds per-token rewards
@@ -16,10 +21,11 @@ tokens) and returns in the buffer.
 
 Departures from the papers, on purpose:
 
-* The critic is an adapter on the actor's frozen base, not a separate model
-  (a separate critic model is not implemented yet).
-* Rollouts decode through the adapter, never through the merged view
-  (:mod:`lit_grpo.merged` folds a single adapter).
+* The default critic is an adapter on the actor's frozen base, not a
+  separate model (InstructGPT initialises a separate critic from the reward
+  model; set ``critic`` for a separate one).
+* With the shared critic, rollouts decode through the adapter, never through
+  the merged view (:mod:`lit_grpo.merged` folds a single adapter).
 """
 
 from __future__ import annotations
@@ -29,29 +35,39 @@ import copy
 import inspect
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Literal
 
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from safetensors.torch import save_file
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from lit_grpo.distributed import shard
 from lit_grpo.distributed import gathered
 from lit_grpo.logprob_passes import completion_hidden_states, completion_logprobs
 from lit_grpo.module import SCORED_KEYS, GRPOModule
 from lit_grpo.objectives import ppo_loss
 from lit_grpo.objectives.grpo import CLIP_METRICS
 from lit_grpo.objectives.ppo import VALUE_METRICS
-from lit_grpo.policy import PolicySpec, build_policy
+from lit_grpo.policy import PolicySpec, build_policy, load_tokenizer
 
-ACTOR, CRITIC = "default", "critic"  # peft adapter names
+ACTOR, CRITIC = "default", "critic"  # peft adapter names; CRITIC also names the critic's export folder
+VALUE_HEAD_FILE = "value_head.safetensors"
 
 
 class PPOModule(GRPOModule):
-    """Proximal Policy Optimization with a LoRA actor and a LoRA critic on one frozen base.
+    """Proximal Policy Optimization with a LoRA actor and a critic, by default on the same frozen base.
 
     Args:
-        policy: Which model to train and its adapter (LoRA is required: the
-            critic is a second adapter of the same shape).
+        policy: Which model to train and its adapter (LoRA is required for
+            the shared critic, a second adapter of the same shape).
+        critic: ``None``: the critic is a second LoRA adapter on the policy's
+            frozen base. A :class:`~lit_grpo.policy.PolicySpec`: a separate
+            critic model built from it (``lora: null`` fine-tunes it fully),
+            which must use the policy's tokenizer. Either way a value head
+            ``Linear(hidden, 1)`` reads its last hidden state.
         vf_coef: Weight of the value loss in the total loss.
         value_clip: Half-width of the clip of new values around the rollout's.
         gamma: Discount per completion token.
@@ -81,6 +97,7 @@ class PPOModule(GRPOModule):
     def __init__(
         self,
         policy: PolicySpec | None = None,
+        critic: PolicySpec | None = None,
         vf_coef: float = 0.5,
         value_clip: float = 0.2,
         gamma: float = 1.0,
@@ -116,11 +133,17 @@ class PPOModule(GRPOModule):
         for name, value in (("gamma", gamma), ("lam", lam)):
             if not 0 <= value <= 1:
                 raise ValueError(f"model.{name}={value}; expected a value in [0, 1].")
-        if self.spec.lora is None:
-            raise ValueError("PPOModule needs model.policy.lora: the critic is a second LoRA adapter "
-                             "on the policy's frozen base (a separate critic model is not supported yet).")
+        if critic is None and self.spec.lora is None:
+            raise ValueError("PPOModule needs model.policy.lora for its default critic, a second LoRA adapter "
+                             "on the policy's frozen base; or set model.critic (a policy spec) to train a "
+                             "separate critic model.")
+        if critic is not None:
+            _check_same_tokenizer(critic, self.tokenizer, self.spec)
+            self.merges_for_generation = True  # the actor holds a single adapter, which merges
+        self.critic_spec = critic
+        self.critic_model: nn.Module | None = None  # the separate critic, built in configure_model
         self.value_head: nn.Linear | None = None
-        self._trainable: list[nn.Parameter] = []
+        self._trainable: list[nn.Parameter] = []  # both adapters of the shared critic's policy
 
     # ------------------------------------------------------------------ model
     @property
@@ -132,21 +155,27 @@ class PPOModule(GRPOModule):
         return self.hparams.kl_coef > 0  # the per-token rewards read the rollout policy's log-probs
 
     def configure_model(self) -> None:
-        """Load the policy and add the critic adapter and the value head (once), then
-        let the base class shard it (the adapters must exist before FSDP2 wraps the layers)."""
+        """Load the policy, the critic (adapter or model) and the value head (once), then
+        shard them under FSDP2 (the adapters must exist before FSDP2 wraps the layers)."""
         if self.policy is None:
-            self.policy, self.reference = build_policy(self.spec, need_reference=False)
-            self._add_critic()
+            self.policy, self.reference = build_policy(self.spec, need_reference=self.needs_reference)
+            if self.critic_spec is None:
+                self._add_critic_adapter()
+                critic = self.policy
+            else:
+                self.critic_model, _ = build_policy(self.critic_spec, need_reference=False)
+                critic = self.critic_model
+            self.value_head = nn.Linear(critic.config.hidden_size, 1, device=next(critic.parameters()).device)
         super().configure_model()
+        if self.device_mesh is not None and self.critic_model is not None:
+            shard(self.critic_model, self.device_mesh)
 
-    def _add_critic(self) -> None:
+    def _add_critic_adapter(self) -> None:
         self.policy.add_adapter(CRITIC, copy.deepcopy(self.policy.peft_config[ACTOR]))
         self.policy.set_adapter(ACTOR)
         self._trainable = [p for name, p in self.policy.named_parameters() if "lora_" in name]
         for p in self._trainable:
             p.requires_grad_(True)  # peft leaves only the active adapter trainable; both train here
-        hidden = self.policy.get_base_model().config.hidden_size
-        self.value_head = nn.Linear(hidden, 1, device=self._trainable[0].device)
 
     @contextlib.contextmanager
     def _adapters_kept_trainable(self) -> Iterator[None]:
@@ -159,7 +188,10 @@ class PPOModule(GRPOModule):
 
     @contextlib.contextmanager
     def _critic(self) -> Iterator[nn.Module]:
-        """The policy with the critic adapter active (the actor's again on exit)."""
+        """The separate critic model, or the policy with the critic adapter active (the actor's again on exit)."""
+        if self.critic_model is not None:
+            yield self.critic_model
+            return
         with self._adapters_kept_trainable():
             self.policy.set_adapter(CRITIC)
             try:
@@ -172,13 +204,10 @@ class PPOModule(GRPOModule):
         with self._adapters_kept_trainable(), super().reference_model() as model:
             yield model
 
-    @contextlib.contextmanager
-    def generation_context(self):
-        with gathered(self.policy):  # through the actor adapter, see the module docstring
-            yield self.policy
-
     def trainable_parameters(self) -> list[nn.Parameter]:
-        return super().trainable_parameters() + list(self.value_head.parameters())
+        critic = self.critic_model.parameters() if self.critic_model is not None else ()
+        critic_trainable = [p for p in critic if p.requires_grad]
+        return super().trainable_parameters() + critic_trainable + list(self.value_head.parameters())
 
     def critic_values(self, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
         """The critic's value of the state before each completion token: ``[n, C]`` float32."""
@@ -194,6 +223,31 @@ class PPOModule(GRPOModule):
         values = self.score_rollout(rows, lambda **part: self.critic_values(**part) * part["completion_mask"])
         self.train(was_training)
         return values
+
+    def export_adapter(self, path: str | Path) -> Path:
+        """Write the actor as :meth:`PolicyModule.export_adapter` does, and the critic beside it.
+
+        ``path`` holds the actor's adapter and the tokenizer; ``path/critic``
+        the critic: its LoRA adapter (on the policy's base for the shared
+        critic, on ``critic``'s base for a separate one; ``load_adapter`` or
+        ``PeftModel.from_pretrained`` reloads it) or, fully fine-tuned, the
+        whole model, plus ``value_head.safetensors`` (``weight [1, H]``,
+        ``bias [1]``). Call it on every rank: FSDP2-sharded weights are
+        gathered first (a collective); rank 0 writes.
+        """
+        path = super().export_adapter(path)  # peft writes the shared critic's adapter to path/critic itself
+        folder = path / CRITIC
+        state = None
+        if self.critic_model is not None and self.device_mesh is not None:
+            state = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
+                     for name, p in self.critic_model.named_parameters() if p.requires_grad}
+        if self.global_rank == 0:
+            if self.critic_model is not None:
+                self.critic_model.save_pretrained(folder, state_dict=state)
+            folder.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.detach().cpu().contiguous() for k, v in self.value_head.state_dict().items()},
+                      folder / VALUE_HEAD_FILE)
+        return path
 
     # --------------------------------------------------------------- training
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
@@ -223,3 +277,14 @@ class PPOModule(GRPOModule):
     def _step_metric_names(self) -> list[str]:
         return [f"train/{k}" for k in ("policy_loss", *CLIP_METRICS, *VALUE_METRICS, "entropy")]
 
+
+def _check_same_tokenizer(critic: PolicySpec, tokenizer, policy: PolicySpec) -> None:
+    """Refuse a critic model whose vocabulary differs from the policy's: it reads the actor's token ids."""
+    if (critic.name_or_path, critic.gguf_file) == (policy.name_or_path, policy.gguf_file):
+        return
+    if load_tokenizer(critic).get_vocab() != tokenizer.get_vocab():
+        raise ValueError(
+            f"model.critic.name_or_path={critic.name_or_path!r} has another tokenizer than "
+            f"model.policy.name_or_path={policy.name_or_path!r}; the critic scores the actor's token ids, so "
+            "it needs the same vocabulary: pick a critic of the policy's model family."
+        )

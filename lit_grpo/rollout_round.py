@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
-from lit_grpo.objectives import gae_advantages, group_advantages, ppo_token_rewards, rloo_advantages, whiten
+from lit_grpo.objectives import (gae_advantages, group_advantages, ppo_token_rewards, reinforce_pp_advantages,
+                                 rloo_advantages, whiten)
 from lit_grpo.rollout import Rollout, generate
 
 
@@ -130,8 +131,14 @@ def _assemble(groups: list[_Group], module, datamodule, timings: dict):
         "completion_mask": _right_pad([g.completion_mask for g in groups], 0),  # [N, C]
     }
     truncated = torch.cat([g.truncated for g in groups])  # [N]
+    length_stats = {"rollout/truncated_fraction": truncated.float().mean().item()}
     if sampling.mask_truncated:
-        rows["completion_mask"] = rows["completion_mask"] * (~truncated).unsqueeze(-1)
+        sampled = rows["completion_mask"]  # [N, C]
+        rows["completion_mask"] = sampled * (~truncated).unsqueeze(-1)
+        # what DAPO's overlong filtering costs: truncated rows are the long ones, so their
+        # share of the tokens is larger than their share of the rows
+        length_stats["rollout/masked_token_fraction"] = 1 - (rows["completion_mask"].sum()
+                                                             / sampled.sum().clamp(min=1)).item()
     rewards = torch.cat([g.rewards for g in groups])  # [N]
     start = time.perf_counter()
     if module.needs_reference:
@@ -147,7 +154,7 @@ def _assemble(groups: list[_Group], module, datamodule, timings: dict):
         timings["old_logprobs"] = time.perf_counter() - start
     estimated, stats = ESTIMATORS[datamodule.advantage_estimator].compute(rewards, rows, module, datamodule)
     rows.update(estimated)
-    stats["rollout/truncated_fraction"] = truncated.float().mean().item()
+    stats.update(length_stats)
     return rows, stats
 
 
@@ -181,6 +188,25 @@ def _gae(rewards: Tensor, rows: dict, module, datamodule):
     return {"advantages": advantages, "values": values, "returns": result.returns}, stats
 
 
+def _reinforce_pp(rewards: Tensor, rows: dict, module, datamodule):
+    """REINFORCE++ per-token advantages: returns whitened over the rollout's real tokens.
+
+    The per-token rewards carry the sequence reward on the last token and, with
+    the module's ``beta > 0``, minus ``beta`` times the k1 KL of the rollout
+    policy to the reference; gamma is 1. The whitening statistics are this
+    rank's (no cross-rank reduction), as for ``gae``.
+    """
+    mask = rows["completion_mask"]  # [N, C]
+    beta = module.hparams.beta
+    result = reinforce_pp_advantages(rewards, mask, rows.get("old_logprobs"), rows.get("ref_logprobs"), beta=beta)
+    real = mask.bool()
+    stats = {"rollout/return_mean": result.returns[real].mean().item() if real.any() else 0.0}
+    if beta > 0:
+        k1 = rows["old_logprobs"] - rows["ref_logprobs"]  # [N, C]
+        stats["rollout/kl"] = k1[real].mean().item() if real.any() else 0.0
+    return {"advantages": result.advantages}, stats
+
+
 class Estimator(NamedTuple):
     """An advantage estimator the DataModule can be configured with.
 
@@ -198,6 +224,7 @@ ESTIMATORS: dict[str, Estimator] = {
     "grpo": Estimator(_group_relative, needs_group=True),
     "rloo": Estimator(_leave_one_out, needs_group=True),
     "gae": Estimator(_gae, needs_group=False),
+    "reinforce_pp": Estimator(_reinforce_pp, needs_group=False),
 }
 
 

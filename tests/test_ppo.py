@@ -1,16 +1,20 @@
-"""PPOModule (LoRA actor + LoRA critic on one frozen base) and the DataModule's
-advantage estimators, end to end on a tiny random Llama."""
+"""PPOModule (LoRA actor + a critic: a LoRA adapter on the same frozen base, or a
+separate model) and the DataModule's advantage estimators, end to end on a tiny
+random Llama."""
 
 from __future__ import annotations
 
 import lightning as L
 import pytest
 import torch
+from safetensors.torch import load_file
+from torch import nn
 
 from lit_grpo.data import OnPolicyDataModule
-from lit_grpo.module import GRPOModule
+from lit_grpo.logprob_passes import completion_hidden_states
+from lit_grpo.module import SCORED_KEYS, GRPOModule
 from lit_grpo.objectives import gae_advantages, ppo_token_rewards, whiten
-from lit_grpo.policy import PolicySpec
+from lit_grpo.policy import LoraSpec, PolicySpec
 from lit_grpo.ppo import PPOModule
 from lit_grpo.rollout import SamplingSpec
 
@@ -24,8 +28,8 @@ def length_reward(prompts, completions, **columns):
     return [float(len(c)) / 10 for c in completions]
 
 
-def make(tiny_model_dir, reward=constant_reward, group_size=1, lr=1e-2, **model):
-    module = PPOModule(policy=PolicySpec(name_or_path=tiny_model_dir), progress=False,
+def make(tiny_model_dir, reward=constant_reward, group_size=1, lr=1e-2, policy=None, **model):
+    module = PPOModule(policy=policy or PolicySpec(name_or_path=tiny_model_dir), progress=False,
                        validate_before_training=False, optimizer=lambda p: torch.optim.AdamW(p, lr=lr), **model)
     data = OnPolicyDataModule(prompts_per_epoch=4, batch_size=4, num_iterations=2, val_size=4, train_size=40,
                               val_batch_size=4, sampling=SamplingSpec(group_size=group_size, max_new_tokens=6),
@@ -110,18 +114,28 @@ def _trainable(module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-@pytest.mark.parametrize("every, name", [("every_n_epochs", "epoch=0-step=2"),  # end of epoch 0
-                                         ("every_n_train_steps", "epoch=0-step=1")])  # inside epoch 0
-def test_resume_is_exact(tmp_path, tiny_model_dir, every, name):
+def separate_critic(tiny_model_dir, full: bool = False) -> PolicySpec:
+    """A critic model of its own: the tiny model again, with a smaller adapter or fully fine-tuned."""
+    return PolicySpec(name_or_path=tiny_model_dir, lora=None if full else LoraSpec(r=4, alpha=8))
+
+
+@pytest.mark.parametrize("every, name, separate", [
+    ("every_n_epochs", "epoch=0-step=2", False),  # end of epoch 0
+    ("every_n_train_steps", "epoch=0-step=1", False),  # inside epoch 0
+    ("every_n_train_steps", "epoch=0-step=1", True),
+])
+def test_resume_is_exact(tmp_path, tiny_model_dir, every, name, separate):
     L.seed_everything(0)
-    module, data = make(tiny_model_dir, reward=length_reward, kl_coef=0.05)
+    critic = separate_critic(tiny_model_dir) if separate else None
+    module, data = make(tiny_model_dir, reward=length_reward, kl_coef=0.05, critic=critic)
     checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, **{every: 1})
     trainer(tmp_path, 2, enable_checkpointing=True, callbacks=[checkpoints]).fit(module, data)
     straight = _trainable(module)
-    assert any(k.startswith("value_head.") for k in straight) and any(".critic." in k for k in straight)
+    critic_key = (lambda k: k.startswith("critic_model.")) if separate else (lambda k: ".critic." in k)
+    assert any(k.startswith("value_head.") for k in straight) and any(critic_key(k) for k in straight)
     assert not any("lora_" not in k and not k.startswith("value_head.") for k in straight)  # no base weights
     L.seed_everything(123)  # the resumed run must not depend on the global RNG it starts with
-    module2, data2 = make(tiny_model_dir, reward=length_reward, kl_coef=0.05)
+    module2, data2 = make(tiny_model_dir, reward=length_reward, kl_coef=0.05, critic=critic)
     trainer(tmp_path, 2).fit(module2, data2, ckpt_path=tmp_path / "ckpt" / f"{name}.ckpt")
     resumed = _trainable(module2)
     assert straight.keys() == resumed.keys()
@@ -147,7 +161,7 @@ def test_estimator_the_module_cannot_train_with_is_refused(tmp_path, tiny_model_
     data = OnPolicyDataModule(prompts_per_epoch=2, batch_size=4, val_size=4, train_size=40, advantage_estimator="gae",
                               sampling=SamplingSpec(group_size=2, max_new_tokens=6), rewards=[constant_reward])
     with pytest.raises(ValueError, match=r"data.advantage_estimator='gae'; GRPOModule trains with one of "
-                                         r"\['grpo', 'rloo'\]"):
+                                         r"\['grpo', 'rloo', 'reinforce_pp'\]"):
         trainer(tmp_path, 1).fit(module, data)
 
 
@@ -166,3 +180,71 @@ def test_rloo_estimator_trains_grpo_module(tmp_path, tiny_model_dir):
     expected = (group - (group.sum(-1, keepdim=True) - group) / 3).view(-1)  # r_i - mean of the other 3
     torch.testing.assert_close(rows["advantages"], expected)
     assert torch.isfinite(module.trainer.callback_metrics["train/loss"])
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["lora_critic", "full_critic"])
+def test_separate_critic_trains_and_its_value_loss_falls(tmp_path, tiny_model_dir, full):
+    L.seed_everything(0)
+    module, data = make(tiny_model_dir, reward=constant_reward, lr=3e-3, critic=separate_critic(tiny_model_dir, full))
+    module.configure_model()
+    assert list(module.policy.peft_config) == ["default"]  # no critic adapter on the actor
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    losses = EpochValueLoss()
+    trainer(tmp_path, 3, callbacks=[losses]).fit(module, data)
+    changed = {n for n, p in module.named_parameters() if not torch.equal(before[n], p)}
+    assert any(n.startswith("policy.") and ".lora_B.default." in n for n in changed)  # the actor
+    critic = {n for n in changed if n.startswith("critic_model.")}
+    assert critic and all(("lora_" in n) != full for n in critic)  # its adapter, or (full) its own weights
+    assert {"value_head.weight", "value_head.bias"} <= changed
+    assert all("lora_" in n for n in changed if n.startswith("policy."))  # the actor's base stayed frozen
+    assert losses.losses[-1] < 0.5 * losses.losses[0], losses.losses
+
+
+def test_fully_fine_tuned_actor_with_a_separate_critic(tmp_path, tiny_model_dir):
+    L.seed_everything(0)
+    module, data = make(tiny_model_dir, reward=length_reward, kl_coef=0.05, critic=separate_critic(tiny_model_dir),
+                        policy=PolicySpec(name_or_path=tiny_model_dir, lora=None))
+    module.configure_model()
+    reference = {n: p.detach().clone() for n, p in module.reference.named_parameters()}
+    actor = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
+    trainer(tmp_path, 1).fit(module, data)
+    assert all(torch.equal(reference[n], p) for n, p in module.reference.named_parameters())  # frozen copy
+    assert any(not torch.equal(actor[n], p) for n, p in module.policy.named_parameters())
+    assert torch.isfinite(module.trainer.callback_metrics["train/loss"])
+
+
+@pytest.mark.parametrize("separate", [False, True], ids=["shared", "separate"])
+def test_export_writes_the_critic_and_its_value_head_beside_the_actor(tmp_path, tiny_model_dir, separate):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    L.seed_everything(0)
+    module, data = make(tiny_model_dir, reward=length_reward,
+                        critic=separate_critic(tiny_model_dir) if separate else None)
+    trainer(tmp_path, 1).fit(module, data)
+    path = module.export_adapter(tmp_path / "export")
+    assert (path / "adapter_config.json").is_file() and (path / "tokenizer_config.json").is_file()  # the actor
+    # The critic rebuilt from the exported files alone scores as the module's does.
+    critic = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), path / "critic").eval()
+    head = nn.Linear(critic.config.hidden_size, 1)
+    head.load_state_dict(load_file(path / "critic" / "value_head.safetensors"))
+    part = {k: data.last_result.rows[k][:4] for k in SCORED_KEYS}
+    module.eval()
+    with torch.no_grad():
+        expected = module.critic_values(**part)  # [4, C]
+        values = head(completion_hidden_states(critic, **part)).squeeze(-1)
+    torch.testing.assert_close(values, expected)
+
+
+def test_critic_with_another_vocabulary_and_shared_critic_without_lora_are_refused(tmp_path, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.add_tokens(["<an_extra_token>"])
+    tokenizer.save_pretrained(tmp_path / "other")
+    with pytest.raises(ValueError, match=r"model.critic.name_or_path='.*other' has another tokenizer than "
+                                         r"model.policy.name_or_path="):
+        PPOModule(policy=PolicySpec(name_or_path=tiny_model_dir),
+                  critic=PolicySpec(name_or_path=str(tmp_path / "other")))
+    with pytest.raises(ValueError, match=r"needs model.policy.lora for its default critic"):
+        PPOModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=None))

@@ -13,6 +13,8 @@ Pipeline, one rollout batch of B prompts x G completions (N = B*G rows):
   log-probs (and entropy), the logits never held at all.
 * :func:`grpo_loss` -- clipped surrogate + k3 KL, aggregated by ``loss_type``
   (sections 3-6); returns a :class:`LossOutput` with ``.loss`` and ``.metrics``.
+  Its advantages are ``[N]`` (one per completion) or ``[N, T]`` (one per
+  token, e.g. REINFORCE++'s).
 
 * :func:`ppo_loss` -- the token-level clipped PPO surrogate on per-token
   (GAE) advantages plus a clipped value loss, same :class:`LossOutput`.

@@ -1,8 +1,9 @@
 """The GRPO loss: clipped surrogate + k3 KL, aggregated (DESIGN.md sections 3-6).
 
 Per token, ``l = -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A) + beta*KL``
-with ``rho = exp(logprobs - old_logprobs)`` and the k3 estimator
-``KL = exp(ref - logp) - (ref - logp) - 1``. Variants are tables:
+with ``rho = exp(logprobs - old_logprobs)``, ``A`` the completion's advantage
+(or the token's, from a token-level estimator such as REINFORCE++) and the k3
+estimator ``KL = exp(ref - logp) - (ref - logp) - 1``. Variants are tables:
 ``importance_level`` picks how rho is formed, ``loss_type`` how ``l`` is
 averaged. Deliberate choices:
 
@@ -107,10 +108,10 @@ def _check_shapes(logprobs: Tensor, advantages: Tensor, **same_as_logprobs: Tens
                 f"{name} shape {tuple(tensor.shape)} does not match logprobs shape "
                 f"{tuple(logprobs.shape)}"
             )
-    if advantages.shape != logprobs.shape[:1]:
+    if advantages.shape not in (logprobs.shape[:1], logprobs.shape):
         raise ValueError(
             f"advantages shape {tuple(advantages.shape)} does not match logprobs shape "
-            f"{tuple(logprobs.shape)} (expected advantages [N] for logprobs [N, T])"
+            f"{tuple(logprobs.shape)} (expected advantages [N] or [N, T] for logprobs [N, T])"
         )
 
 
@@ -122,6 +123,12 @@ def _check_norm(loss_type: str, name: str | None, value) -> None:
     # A tensor (e.g. an all-reduced token count) is not checked: that would sync the device.
     if not isinstance(value, Tensor) and not value > 0:
         raise ValueError(f"{name} must be > 0 for loss_type={loss_type!r}, got {value}")
+
+
+def _broadcastable_advantages(advantages: Tensor, real: Tensor) -> Tensor:
+    if advantages.dim() == 1:
+        return advantages.unsqueeze(-1)  # [N, 1], shared by the row's tokens
+    return torch.where(real, advantages, 0.0)  # [N, T], padding zeroed so garbage there cannot leak NaN
 
 
 def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
@@ -155,7 +162,10 @@ def grpo_loss(
             policy (with grad).
         old_logprobs: ``[N, T]`` log-probs under the rollout policy; pass
             ``logprobs.detach()`` when each rollout gets one optimizer step.
-        advantages: ``[N]`` one advantage per completion.
+        advantages: ``[N]`` one advantage per completion, or ``[N, T]`` one
+            per token (token-level estimators such as
+            :func:`~lit_grpo.objectives.reinforce_pp_advantages`; padding
+            positions are ignored).
         completion_mask: ``[N, T]`` 1 for real completion tokens (EOS
             included), 0 for padding; bool or numeric.
         ref_logprobs: ``[N, T]`` reference-policy log-probs; required iff
@@ -202,7 +212,7 @@ def grpo_loss(
     mask = real.to(logprobs.dtype)  # [N, T]
     log_ratio = torch.where(real, logprobs - old_logprobs, 0.0)  # [N, T]
     ratio = torch.exp(_IMPORTANCE_LEVELS[importance_level](log_ratio, mask))  # [N, T] or [N, 1]
-    adv = advantages.to(logprobs.dtype).unsqueeze(-1)  # [N, 1]
+    adv = _broadcastable_advantages(advantages.to(logprobs.dtype), real)  # [N, 1] or [N, T]
     clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
     per_token = -torch.minimum(ratio * adv, clipped * adv).expand_as(mask)  # [N, T]
 
