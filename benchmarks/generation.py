@@ -1,70 +1,163 @@
-"""Generation speed: lit_grpo's decode loop vs Hugging Face ``generate``, fp32 vs bf16.
+"""Rollout engines side by side: native decode loop vs vLLM vs Hugging Face ``generate``.
 
-Runs each variant alternately (so machine drift hits all of them) on the
-embedded SmolLM2-135M-Instruct and prints median tokens/s.
+Part 1, sampling alone (``--part sampling``): each engine completes the same
+prompts (``prompts x group`` rows, up to ``new_tokens`` each, EOS allowed so
+answers vary in length) on the embedded SmolLM2-135M-Instruct with a LoRA
+adapter, through the same :class:`~lit_grpo.generation.Engine` call a rollout
+makes (vLLM after its weights were pushed). Variants run alternately so
+machine drift hits all of them; the table shows the median tokens/s and
+rollout seconds.
 
-    python benchmarks/generation.py --batch 32 --new-tokens 24 --repeats 3
+Part 2, a full GRPO step (``--part step``): ``lit_grpo`` trains the same
+setting for 2 epochs (one optimizer step per epoch) with each engine; the
+table shows the second epoch (the first pays for vLLM's start): rollout
+seconds, training seconds and the whole step.
+
+    python benchmarks/generation.py --part sampling --shapes 4x8x64 8x8x256 --repeats 2
+    python benchmarks/generation.py --part step --shapes 1x8x256 8x8x256
+
+vLLM needs the extra (README, "Sampling with vLLM"); without it its rows are
+left out. Run it alone on the machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import time
 
 import torch
 
-from lit_grpo.policy import PolicySpec, build_policy, load_tokenizer
-from lit_grpo.rollout import SamplingSpec, encode_prompts, eos_ids, generate
-from lit_grpo.tasks import arithmetic
+from lit_grpo.data import OnPolicyDataModule, chat_prompts
+from lit_grpo.generation import GenerationSpec
+from lit_grpo.module import GRPOModule
+from lit_grpo.policy import LoraSpec, PolicySpec
+from lit_grpo.rewards import Accuracy
+from lit_grpo.rollout import SamplingSpec, encode_prompts, eos_ids
+from lit_grpo.word_problems import word_problems
+
+SYSTEM = "Think step by step, then give the final number after ####."
 
 
-def hf_generate(model, tokenizer, ids, mask, sampling):
+def engines(vllm: bool) -> dict[str, GenerationSpec]:
+    variants = {"native fp32": GenerationSpec(), "native bf16": GenerationSpec(dtype="bfloat16")}
+    if vllm:
+        variants.update({"vllm fp32": GenerationSpec(backend="vllm"),
+                         "vllm bf16": GenerationSpec(backend="vllm", dtype="bfloat16")})
+    return variants
+
+
+def module_with(spec: GenerationSpec) -> GRPOModule:
+    module = GRPOModule(policy=PolicySpec(dtype="float32", lora=LoraSpec()), generation=spec, progress=False)
+    module.configure_model()
+    return module
+
+
+def hf_generate(module, ids, mask, sampling):
+    model = module.policy.get_base_model()
     start = time.perf_counter()
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=sampling.temperature,
-                         top_k=None, top_p=None, max_new_tokens=sampling.max_new_tokens,
-                         eos_token_id=eos_ids(tokenizer, model), pad_token_id=tokenizer.pad_token_id)
+    out = model.generate(input_ids=ids.repeat_interleave(sampling.group_size, 0),
+                         attention_mask=mask.repeat_interleave(sampling.group_size, 0), do_sample=True,
+                         temperature=sampling.temperature, top_k=None, top_p=None,
+                         max_new_tokens=sampling.max_new_tokens, eos_token_id=eos_ids(module.tokenizer, model),
+                         pad_token_id=module.tokenizer.pad_token_id)
     seconds = time.perf_counter() - start
     completion = out[:, ids.shape[1]:]
-    tokens = int((completion != tokenizer.pad_token_id).sum()) + int((completion == tokenizer.pad_token_id).any(-1).sum())
-    return tokens, seconds
+    ended = (completion == module.tokenizer.pad_token_id).any(-1)  # pad = eos here: its first one is the EOS
+    return int((completion != module.tokenizer.pad_token_id).sum() + ended.sum()), seconds
 
 
-def ours(model, tokenizer, ids, mask, sampling):
-    rollout = generate(model, tokenizer, ids, mask, sampling, repeat=1)
-    return int(rollout.lengths.sum()), rollout.seconds
+def sampling_part(shapes: list[tuple[int, int, int]], repeats: int, vllm: bool) -> None:
+    print("| prompts x G x max tokens | engine | tokens/s | rollout s | mean length |")
+    print("|---|---|---|---|---|")
+    for prompts, group, new_tokens in shapes:
+        sampling = SamplingSpec(group_size=group, max_new_tokens=new_tokens, temperature=0.8)
+        modules = {name: module_with(spec) for name, spec in engines(vllm).items()}
+        tokenizer = next(iter(modules.values())).tokenizer
+        texts = chat_prompts(tokenizer, [r["prompt"] for r in word_problems(prompts, seed=1)], SYSTEM, "{prompt}")
+        ids, mask = encode_prompts(tokenizer, texts, None)
+        for module in modules.values():  # warm-up: vLLM starts and receives the weights here
+            torch.manual_seed(0)
+            module.engine.generate(ids, mask, SamplingSpec(group_size=1, max_new_tokens=4))
+        results: dict[str, list[tuple[int, float]]] = {name: [] for name in [*modules, "hf generate fp32"]}
+        for repeat in range(repeats):
+            for name, module in modules.items():
+                torch.manual_seed(repeat)
+                rollout = module.engine.generate(ids, mask, sampling)
+                results[name].append((int(rollout.lengths.sum()), rollout.seconds))
+            torch.manual_seed(repeat)
+            results["hf generate fp32"].append(hf_generate(modules["native fp32"], ids, mask, sampling))
+        for name, runs in results.items():
+            rate = statistics.median(tokens / seconds for tokens, seconds in runs)
+            seconds = statistics.median(s for _, s in runs)
+            length = statistics.mean(tokens for tokens, _ in runs) / (prompts * group)
+            print(f"| {prompts}x{group}x{new_tokens} | {name} | {rate:.0f} | {seconds:.1f} | {length:.0f} |", flush=True)
+        for module in modules.values():
+            module.engine.close()
+
+
+class EpochClock:
+    """Seconds of each training epoch, from the rollout's start to the optimizer step's end."""
+
+    def __init__(self):
+        import lightning as L
+
+        outer = self
+
+        class Clock(L.Callback):
+            def on_train_epoch_end(self, trainer, module):
+                stats = trainer.datamodule.last_stats
+                outer.epochs.append({"rollout": stats["time/generate"], "total": time.perf_counter() - outer.start})
+                outer.start = time.perf_counter()
+
+            def on_train_start(self, trainer, module):
+                outer.start = time.perf_counter()
+
+        self.epochs: list[dict] = []
+        self.start = 0.0
+        self.callback = Clock()
+
+
+def step_part(shapes: list[tuple[int, int, int]], vllm: bool) -> None:
+    import lightning as L
+
+    print("| prompts x G x max tokens | engine | rollout s | rest of the step s | step s |")
+    print("|---|---|---|---|---|")
+    for prompts, group, new_tokens in shapes:
+        for name, spec in engines(vllm).items():
+            if name == "native bf16":
+                continue
+            module = GRPOModule(policy=PolicySpec(dtype="float32", lora=LoraSpec()), generation=spec, progress=False,
+                                validate_before_training=False, log_samples=0)
+            data = OnPolicyDataModule(source="word_problems", system_prompt=SYSTEM, prompts_per_epoch=prompts,
+                                      batch_size=8, val_size=1, rewards=[Accuracy()],
+                                      sampling=SamplingSpec(group_size=group, max_new_tokens=new_tokens))
+            clock = EpochClock()
+            trainer = L.Trainer(max_epochs=2, reload_dataloaders_every_n_epochs=1, accelerator="cpu", logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                num_sanity_val_steps=0, limit_val_batches=0, callbacks=[clock.callback],
+                                accumulate_grad_batches=prompts * group // 8)
+            torch.manual_seed(0)
+            trainer.fit(module, data)
+            last = clock.epochs[-1]
+            print(f"| {prompts}x{group}x{new_tokens} | {name} | {last['rollout']:.1f} | "
+                  f"{last['total'] - last['rollout']:.1f} | {last['total']:.1f} |", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=24)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--part", choices=["sampling", "step"], default="sampling")
+    parser.add_argument("--shapes", nargs="+", default=["4x8x64", "8x8x256"],
+                        help="prompts x group size x max new tokens")
+    parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    sampling = SamplingSpec(group_size=2, temperature=0.8, max_new_tokens=args.new_tokens)
-    variants = {}
-    for dtype in ("float32", "bfloat16"):
-        spec = PolicySpec(dtype=dtype)
-        tokenizer = load_tokenizer(spec)
-        model, _ = build_policy(spec, need_reference=False)
-        model.eval()
-        rows = arithmetic(args.batch, seed=1, ops="+")
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
-                                               add_generation_prompt=True) for r in rows]
-        ids, mask = encode_prompts(tokenizer, texts, None)
-        variants[f"hf generate {dtype}"] = (hf_generate, model, tokenizer, ids, mask)
-        variants[f"lit_grpo {dtype}"] = (ours, model, tokenizer, ids, mask)
-    rates: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(args.repeats):
-        for name, (fn, model, tokenizer, ids, mask) in variants.items():
-            torch.manual_seed(0)
-            tokens, seconds = fn(model, tokenizer, ids, mask, sampling)
-            rates[name].append(tokens / seconds)
-    print(f"batch={args.batch} new_tokens={args.new_tokens} threads={torch.get_num_threads()}")
-    base = statistics.median(rates["hf generate float32"])
-    for name, values in rates.items():
-        median = statistics.median(values)
-        print(f"{name:24s} {median:8.1f} tok/s   x{median / base:.2f} vs hf fp32")
+    shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes]
+    vllm = importlib.util.find_spec("vllm") is not None
+    if args.part == "sampling":
+        sampling_part(shapes, args.repeats, vllm)
+    else:
+        step_part(shapes, vllm)
 
 
 if __name__ == "__main__":

@@ -123,6 +123,7 @@ def run_lit(s: Settings) -> dict:
     import torch
 
     from lit_grpo.data import OnPolicyDataModule
+    from lit_grpo.generation import GenerationSpec
     from lit_grpo.module import GRPOModule
     from lit_grpo.policy import LoraSpec, PolicySpec
 
@@ -152,7 +153,7 @@ def run_lit(s: Settings) -> dict:
     module = GRPOModule(
         policy=policy, beta=s.beta, epsilon_low=s.epsilon, epsilon_high=s.epsilon, loss_type="grpo",
         optimizer=lambda params: torch.optim.AdamW(params, lr=s.lr, weight_decay=0.0),
-        progress=False, log_samples=0, validate_before_training=False, generation_dtype=s.lit_generation_dtype,
+        progress=False, log_samples=0, validate_before_training=False, generation=GenerationSpec(dtype=s.lit_generation_dtype),
         skip_zero_gradient_rows=s.lit_skip_zero_gradient_rows,
     )
     timer = StepTimer()
@@ -314,7 +315,7 @@ def main() -> None:
     parser.add_argument("--beta", type=float, default=0.04, help="KL weight for both (0 skips the reference pass).")
     parser.add_argument("--lit-attn", help="lit_grpo's policy.attn_implementation (e.g. eager).")
     parser.add_argument("--lit-generation-dtype", choices=["float32", "bfloat16"],
-                        help="lit_grpo's model.generation_dtype.")
+                        help="lit_grpo's model.generation.dtype.")
     parser.add_argument("--lit-keep-zero-gradient-rows", action="store_true",
                         help="model.skip_zero_gradient_rows=False (a lever's 'before').")
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS),

@@ -24,6 +24,7 @@ _EXPORTS = {
     "PolicySpec": "lit_grpo.policy",
     "LoraSpec": "lit_grpo.policy",
     "SamplingSpec": "lit_grpo.rollout",
+    "GenerationSpec": "lit_grpo.generation",
     "AtomicCheckpointIO": "lit_grpo.checkpointing",
     "PlotCallback": "lit_grpo.plots",
     "BeforeAfterAnswers": "lit_grpo.answers",

@@ -28,7 +28,6 @@ from tqdm.auto import tqdm
 from lit_grpo.data import OnPolicyDataModule
 from lit_grpo.module import GRPOModule
 from lit_grpo.policy import LoraSpec
-from lit_grpo.rollout import generate
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:
@@ -73,22 +72,22 @@ def evaluate(module: GRPOModule, datamodule: OnPolicyDataModule, samples: int, p
     rows, size = datamodule.val_rows, datamodule.hparams.val_batch_size
     greedy, passes = [], {k: [] for k in pass_k}
     sampling = datamodule.sampling
-    generator = torch.Generator(device=module.device).manual_seed(datamodule.hparams.seed)  # the same draws each run
     bar = tqdm(total=len(rows), desc="eval", unit="prompt", disable=not progress, dynamic_ncols=True)
     module.eval()
-    for start in range(0, len(rows), size):
-        batch = datamodule.collate_val(rows[start : start + size])
-        greedy += datamodule.score_validation(batch["rows"], module.answer(batch["prompt_ids"],
-                                                                           batch["prompt_mask"])).tolist()
-        if samples:
-            with module.generation_context() as model:
-                texts = generate(model, module.tokenizer, batch["prompt_ids"], batch["prompt_mask"], sampling,
-                                 repeat=samples, generator=generator).texts
-            repeated = [row for row in batch["rows"] for _ in range(samples)]
-            scores = datamodule.score_validation(repeated, texts).view(-1, samples)  # [B, samples]
-            for k in pass_k:
-                passes[k] += [pass_at_k(samples, int((row > 0.5).sum()), k) for row in scores]
-        bar.update(len(batch["rows"]))
+    with torch.random.fork_rng():  # the same draws each run; the caller's RNG state untouched
+        torch.manual_seed(datamodule.hparams.seed)
+        for start in range(0, len(rows), size):
+            batch = datamodule.collate_val(rows[start : start + size])
+            greedy += datamodule.score_validation(batch["rows"], module.answer(batch["prompt_ids"],
+                                                                               batch["prompt_mask"])).tolist()
+            if samples:
+                texts = module.engine.generate(batch["prompt_ids"], batch["prompt_mask"], sampling,
+                                               repeat=samples).texts
+                repeated = [row for row in batch["rows"] for _ in range(samples)]
+                scores = datamodule.score_validation(repeated, texts).view(-1, samples)  # [B, samples]
+                for k in pass_k:
+                    passes[k] += [pass_at_k(samples, int((row > 0.5).sum()), k) for row in scores]
+            bar.update(len(batch["rows"]))
     bar.close()
     result = {"prompts": len(rows), "greedy_accuracy": sum(greedy) / len(greedy)}
     result.update({f"pass@{k}": sum(values) / len(values) for k, values in passes.items()})
@@ -131,6 +130,7 @@ def main(argv: list[str]) -> dict[str, float]:
     cli.trainer.validate(module, datamodule, verbose=False)  # attaches both, loads the model and the prompts
     if config["adapter"]:
         load_adapter(module, config["adapter"])
+        module.engine.weights_changed()
     result = {"model": module.spec.name_or_path, "adapter": config["adapter"],
               **evaluate(module, datamodule, samples, pass_k if samples else [])}
     print(table(result))

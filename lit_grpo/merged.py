@@ -89,6 +89,17 @@ def merged_weights(policy: nn.Module) -> dict[str, torch.Tensor]:
     return weights
 
 
+def trained_weight_names(policy: nn.Module) -> set[str]:
+    """The plain-model names in :func:`merged_weights` that training changes: the
+    adapted layers' weights under LoRA, every trainable tensor without an adapter."""
+    if not _is_peft(policy):
+        return {name for name, p in policy.named_parameters(remove_duplicate=False) if p.requires_grad}
+    from peft.tuners.lora import LoraLayer
+
+    return {f"{name}.weight" for name, module in policy.get_base_model().named_modules()
+            if isinstance(module, LoraLayer)}
+
+
 def can_merge(policy: nn.Module) -> bool:
     """Whether :class:`MergedPolicy` reproduces ``policy``: plain weights, plain LoRA (no DoRA)."""
     if any(getattr(p, "quant_state", None) is not None or p.dtype in (torch.uint8, torch.int8)

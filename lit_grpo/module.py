@@ -1,7 +1,7 @@
 """GRPOModule: the LightningModule that trains a policy with GRPO.
 
 It orchestrates; the math is in :mod:`lit_grpo.objectives`, sampling in
-:mod:`lit_grpo.rollout`, rewards in :mod:`lit_grpo.rewards`, and the rollout
+:mod:`lit_grpo.generation`, rewards in :mod:`lit_grpo.rewards`, and the rollout
 round in the DataModule. One training step reads like the algorithm:
 current log-probs -> clipped, KL-regularised objective -> log.
 
@@ -27,14 +27,12 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torchmetrics import MeanMetric
 from tqdm.auto import tqdm
 
-from lit_grpo.distributed import gathered
 from lit_grpo.objectives import grpo_loss
 from lit_grpo.objectives.grpo import CLIP_METRICS, IMPORTANCE_LEVELS, LOSS_TYPES
-from lit_grpo.merged import MergedPolicy, can_merge
 from lit_grpo.logprob_passes import completion_logprobs
-from lit_grpo.policy import DTYPES, PolicySpec
+from lit_grpo.generation import Engine, GenerationSpec, build_engine
+from lit_grpo.policy import PolicySpec
 from lit_grpo.policy_module import PolicyModule
-from lit_grpo.rollout import generate
 from lit_grpo.rollout_round import MAX_STATS
 
 # Loss types normalised by a count taken over the whole optimizer step on all
@@ -83,17 +81,10 @@ class GRPOModule(PolicyModule):
             advantage (collapsed groups) out of the forward and backward passes;
             their gradient is exactly zero, and the loss is rescaled so the
             step is unchanged.
-        merge_for_generation: Decode rollouts and validation answers with the
-            LoRA adapter folded into the weights (materialised per rollout,
-            freed after; see :mod:`lit_grpo.merged`), which skips the adapter's
-            extra work at every token. QLoRA and FSDP2-sharded policies always
-            decode through the adapter.
-        generation_dtype: Weight dtype for decoding (``bfloat16`` is faster on
-            GPUs and on CPUs with AMX; ``float32`` for a bf16 policy on a CPU
-            without bf16 instructions, where only float32 weights can be packed
-            for the lean decode step, see :mod:`lit_grpo.decode_step`); ``None``
-            keeps the policy's. Needs ``merge_for_generation``. The objective
-            still scores in the policy's dtype.
+        generation: Which engine samples rollouts and validation answers
+            (``native`` or ``vllm``), in which dtype, and the importance-sampling
+            correction for a sampler that differs from the trainer; see
+            :class:`~lit_grpo.generation.GenerationSpec`.
     """
 
     def __init__(
@@ -112,8 +103,7 @@ class GRPOModule(PolicyModule):
         progress: bool = True,
         validate_before_training: bool = True,
         skip_zero_gradient_rows: bool = True,
-        merge_for_generation: bool = True,
-        generation_dtype: Literal["float32", "bfloat16", "float16"] | None = None,
+        generation: GenerationSpec | None = None,
     ) -> None:
         super().__init__(policy, optimizer, scheduler, max_nonfinite_steps)
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
@@ -126,14 +116,16 @@ class GRPOModule(PolicyModule):
                                      ("importance_level", importance_level, IMPORTANCE_LEVELS)):
             if value not in choices:
                 raise ValueError(f"model.{name}={value!r}; expected one of {sorted(choices)}.")
-        if generation_dtype is not None and generation_dtype not in DTYPES:
-            raise ValueError(f"model.generation_dtype={generation_dtype!r}; expected one of {sorted(DTYPES)} or null.")
-        if generation_dtype is not None and not merge_for_generation:
-            raise ValueError(f"model.generation_dtype={generation_dtype!r} needs model.merge_for_generation=true "
-                             "(the copy in that dtype is the merged one).")
-        self.val_accuracy = MeanMetric()
-        self.merged: MergedPolicy | None = None  # built at the first rollout, on the policy's device
+        self.generation = generation or GenerationSpec()
+        if self.generation.backend == "vllm":
+            from lit_grpo.generation.vllm import check_policy
 
+            check_policy(self.spec)
+        self.val_accuracy = MeanMetric()
+        self._engine: Engine | None = None  # built at the first rollout, on the policy's device
+
+    # Whether the native engine may decode on the adapter folded into the weights.
+    merges_for_generation = True
     # The DataModule's advantage estimators this objective trains with; the first is the default.
     ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
     # Those whose per-token rewards carry the KL to the reference (REINFORCE++), so the loss leaves it out.
@@ -156,21 +148,22 @@ class GRPOModule(PolicyModule):
         per-token rewards (:attr:`KL_IN_REWARDS`) rather than the loss."""
         return self._trainer is not None and self.trainer.datamodule.advantage_estimator in self.KL_IN_REWARDS
 
-    @contextlib.contextmanager
-    def generation_context(self):
-        """Yield the model to sample from: the merged policy when it applies, else the
-        policy itself with its FSDP2 shards gathered once for all decoding steps."""
-        hp = self.hparams
-        if self.merged is None and hp.merge_for_generation and self.device_mesh is None and can_merge(self.policy):
-            # Full fine-tuning has nothing to merge: a copy only pays in another dtype.
-            if hp.generation_dtype is not None or self.spec.lora is not None:
-                self.merged = MergedPolicy(self.policy, DTYPES[hp.generation_dtype] if hp.generation_dtype else None)
-        if self.merged is not None:
-            with self.merged(self.policy) as model:
-                yield model
-            return
-        with gathered(self.policy):
-            yield self.policy
+    @property
+    def engine(self) -> Engine:
+        """What samples completions (:mod:`lit_grpo.generation`), built on first use."""
+        if self._engine is None:
+            self._engine = build_engine(self.generation, self)
+        return self._engine
+
+    def optimizer_step(self, *args, **kwargs) -> None:
+        super().optimizer_step(*args, **kwargs)
+        if self._engine is not None:
+            self._engine.weights_changed()
+
+    def teardown(self, stage: str) -> None:
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
 
     def show_progress(self, description: str, total: int | None = None):
         """A progress bar (decoding steps) for a rollout phase on rank 0, or ``None``."""
@@ -221,9 +214,11 @@ class GRPOModule(PolicyModule):
             batch["completion_mask"], temperature=batch["temperature"], with_entropy=True,
         )  # [n, C]
         mask = batch["completion_mask"]
+        old_logprobs = batch.get("old_logprobs", logprobs.detach())
+        weights, sampler_metrics = self._sampler_gap(old_logprobs, batch.get("sampler_logprobs", old_logprobs), mask)
         result = grpo_loss(
             logprobs,
-            batch.get("old_logprobs", logprobs.detach()),
+            old_logprobs,
             batch["advantages"],
             mask,
             ref_logprobs=batch.get("ref_logprobs"),
@@ -234,6 +229,7 @@ class GRPOModule(PolicyModule):
             importance_level=hp.importance_level,
             max_completion_length=hp.max_completion_length or self.trainer.datamodule.sampling.max_new_tokens,
             num_items=batch["num_items"],
+            importance_weights=weights,
         )
         loss = result.loss * scale
         if hp.loss_type in _GLOBALLY_NORMALISED:
@@ -241,10 +237,28 @@ class GRPOModule(PolicyModule):
         self._add_time("policy_forward", time.perf_counter() - start)
         values = {f"train/{k}": v for k, v in result.metrics.items()}
         values["train/entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
+        values.update(sampler_metrics)
         metrics = {name: values[name] for name in self._step_metric_names()}
         self._log_step(metrics, result.loss.detach(), rows=mask.shape[0])
         self._backward_start = time.perf_counter()
         return loss
+
+    def _sampler_gap(self, old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
+                     mask: torch.Tensor) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        """How far the sampler's distribution is from the trainer's, and the TIS weights.
+
+        ``delta = log pi_old - log pi_sampler`` per sampled token; logged as its
+        mean absolute value and as the k3 estimate of KL(sampler || trainer)
+        (``exp(delta) - 1 - delta``, averaged over the sampler's tokens). The
+        weights ``min(exp(delta), cap)`` are returned only when
+        ``generation.importance_sampling_cap`` is set.
+        """
+        delta = (old_logprobs.detach() - sampler_logprobs) * mask  # [n, C], 0 at padding
+        real = mask.sum().clamp(min=1)
+        metrics = {"sampler/logprob_abs_diff": delta.abs().sum() / real,
+                   "sampler/kl": (delta.exp() - 1 - delta).sum() / real}
+        cap = self.generation.importance_sampling_cap
+        return (delta.exp().clamp(max=cap) if cap else None), metrics
 
     def _log_rollout_stats(self) -> None:
         stats = self.trainer.datamodule.take_stats()  # once per rollout (the loader builds it on first use)
@@ -261,7 +275,7 @@ class GRPOModule(PolicyModule):
     def _step_metric_names(self) -> list[str]:
         """The metrics every training step logs, in a fixed order (the same on every rank)."""
         kl = ["kl"] if self.hparams.beta > 0 and not self.kl_in_rewards else []
-        return [f"train/{k}" for k in (*CLIP_METRICS, *kl, "entropy")]
+        return [f"train/{k}" for k in (*CLIP_METRICS, *kl, "entropy")] + ["sampler/logprob_abs_diff", "sampler/kl"]
 
     def _rows_with_gradient(self, batch: dict) -> tuple[dict | None, float]:
         """Drop the rows whose gradient is exactly zero; return the rest and the loss scale.
@@ -380,6 +394,4 @@ class GRPOModule(PolicyModule):
 
     def answer(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[str]:
         """Greedy completions of left-padded prompts (what validation scores)."""
-        sampling = self.trainer.datamodule.sampling
-        with self.generation_context() as model:
-            return generate(model, self.tokenizer, prompt_ids, prompt_mask, sampling, greedy=True).texts
+        return self.engine.generate(prompt_ids, prompt_mask, self.trainer.datamodule.sampling, greedy=True).texts

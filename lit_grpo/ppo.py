@@ -45,7 +45,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lit_grpo.distributed import shard
-from lit_grpo.distributed import gathered
+from lit_grpo.generation import GenerationSpec
 from lit_grpo.logprob_passes import completion_hidden_states, completion_logprobs
 from lit_grpo.module import SCORED_KEYS, GRPOModule
 from lit_grpo.objectives import ppo_loss
@@ -90,9 +90,12 @@ class PPOModule(GRPOModule):
         log_samples: Sample completions written per epoch to ``samples.jsonl``.
         progress: Show progress bars for rollout generation.
         validate_before_training: Score the validation prompts once before the first step.
+        generation: Which engine samples rollouts, see
+            :class:`~lit_grpo.generation.GenerationSpec`.
     """
 
     ADVANTAGE_ESTIMATORS = ("gae",)
+    merges_for_generation = False  # rollouts decode through the actor adapter, see the module docstring
 
     def __init__(
         self,
@@ -114,6 +117,7 @@ class PPOModule(GRPOModule):
         log_samples: int = 2,
         progress: bool = True,
         validate_before_training: bool = True,
+        generation: GenerationSpec | None = None,
     ) -> None:
         if loss_type not in ("bnpo", "grpo", "dr_grpo"):  # dapo's global rescale would scale the value loss too
             raise ValueError(f"model.loss_type={loss_type!r}; expected one of ['bnpo', 'dr_grpo', 'grpo'].")
@@ -122,7 +126,7 @@ class PPOModule(GRPOModule):
                          optimizer=optimizer, scheduler=scheduler, max_nonfinite_steps=max_nonfinite_steps,
                          log_samples=log_samples, progress=progress,
                          validate_before_training=validate_before_training,
-                         skip_zero_gradient_rows=False, merge_for_generation=False)
+                         skip_zero_gradient_rows=False, generation=generation)
         # Only this class's own arguments (save_hyperparameters merges into GRPOModule's):
         # the saved hyper-parameters must rebuild a PPOModule.
         self.hparams.clear()

@@ -70,6 +70,9 @@ class Rollout:
     truncated: Tensor  # [N] bool: no EOS within max_new_tokens
     texts: list[str]
     seconds: float
+    # [N, C] float32: the sampler's log-prob of each sampled token under the distribution
+    # it drew from (temperature, top-k/top-p), 0 at padding; None for greedy decoding.
+    logprobs: Tensor | None = None
 
     @property
     def lengths(self) -> Tensor:
@@ -177,8 +180,8 @@ def generate(
     model.eval()
     start = time.perf_counter()
     try:
-        completion_ids = _decode(model, prompt_ids, prompt_mask, repeat, sampling, greedy, eos,
-                                 tokenizer.pad_token_id, generator, progress)  # [N, C]
+        completion_ids, logprobs = _decode(model, prompt_ids, prompt_mask, repeat, sampling, greedy, eos,
+                                           tokenizer.pad_token_id, generator, progress)  # [N, C] x 2
     finally:
         model.train(was_training)
         if progress is not None:
@@ -189,11 +192,14 @@ def generate(
     mask, truncated = completion_mask(completion_ids, eos.tolist())
     completion_ids = completion_ids.masked_fill(mask == 0, tokenizer.pad_token_id)
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    return Rollout(prompt_ids, prompt_mask, completion_ids, mask, truncated, texts, seconds)
+    logprobs = None if greedy else logprobs.masked_fill(mask == 0, 0.0).cpu()
+    return Rollout(prompt_ids, prompt_mask, completion_ids, mask, truncated, texts, seconds, logprobs)
 
 
-def _decode(model, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, pad, generator, progress) -> Tensor:
-    """Token ids ``[B * repeat, max_new_tokens]``; each prompt's cache is computed once and repeated."""
+def _decode(model, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, pad, generator,
+            progress) -> tuple[Tensor, Tensor]:
+    """Token ids and their log-probs, ``[B * repeat, max_new_tokens]`` each; each prompt's
+    cache is computed once and repeated."""
     from transformers import DynamicCache
 
     from lit_grpo.decode_step import LlamaStep, ModelStep, llama_step_applies
@@ -201,6 +207,7 @@ def _decode(model, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, pad, 
 
     n = prompt_ids.shape[0] * repeat
     tokens = torch.full((n, sampling.max_new_tokens), pad, dtype=torch.long, device=prompt_ids.device)
+    logprobs = torch.zeros(n, sampling.max_new_tokens, device=prompt_ids.device)
     active = torch.arange(n, device=prompt_ids.device)  # rows still writing
     positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]: left padding shifts starts
     cache = DynamicCache()
@@ -216,8 +223,10 @@ def _decode(model, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, pad, 
         forward = ModelStep(model, cache, attention)
     next_position = positions[:, -1].repeat_interleave(repeat, 0) + 1  # [n_active]
     for step in range(sampling.max_new_tokens):
-        token = _next_token(logits, sampling, greedy, generator)  # [n_active]
+        token, logprob = _next_token(logits, sampling, greedy, generator)  # [n_active] x 2
         tokens[active, step] = token
+        if logprob is not None:
+            logprobs[active, step] = logprob
         if progress is not None:
             progress.update(1)
         alive = ~torch.isin(token, eos)
@@ -229,13 +238,18 @@ def _decode(model, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, pad, 
             forward.select(keep)
         logits = forward(token, next_position)  # [n_active, V]
         next_position = next_position + 1
-    return tokens
+    return tokens, logprobs
 
 
-def _next_token(logits: Tensor, sampling: SamplingSpec, greedy: bool, generator) -> Tensor:
-    """Pick the next token from ``[n, V]`` logits: argmax, or sample after top-k/top-p."""
+def _next_token(logits: Tensor, sampling: SamplingSpec, greedy: bool, generator) -> tuple[Tensor, Tensor | None]:
+    """Pick the next token from ``[n, V]`` logits: argmax, or sample after top-k/top-p.
+
+    Returns the tokens and, when sampling, their log-probs under the
+    distribution they were drawn from (temperature, then top-k/top-p
+    renormalised: with neither, exactly what the objective computes).
+    """
     if greedy:
-        return logits.argmax(-1)
+        return logits.argmax(-1), None
     logits = logits.float() / sampling.temperature  # [n, V]
     if sampling.top_k:
         kth = logits.topk(min(sampling.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
@@ -246,7 +260,8 @@ def _next_token(logits: Tensor, sampling: SamplingSpec, greedy: bool, generator)
         # drop a token when the mass before it already reaches top_p (the top token always stays)
         drop = (cumulative - sorted_logits.softmax(-1)) >= sampling.top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return sample(logits.softmax(-1), generator)
+    token = sample(logits.softmax(-1), generator)  # [n]
+    return token, logits.gather(-1, token[:, None]).squeeze(-1) - logits.logsumexp(-1)
 
 
 SAMPLE_BLOCK = 256

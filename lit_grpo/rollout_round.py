@@ -22,7 +22,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from lit_grpo.objectives import (gae_advantages, group_advantages, ppo_token_rewards, reinforce_pp_advantages,
                                  rloo_advantages, whiten)
-from lit_grpo.rollout import Rollout, generate
+from lit_grpo.rollout import Rollout
 
 
 # Rollout statistics whose value over all ranks is their maximum (the rest are means).
@@ -43,6 +43,7 @@ class _Group:
     completion_ids: Tensor  # [G, C]
     completion_mask: Tensor  # [G, C]
     truncated: Tensor  # [G]
+    sampler_logprobs: Tensor  # [G, C]
     rewards: Tensor  # [G]
     per_function: dict[str, Tensor]  # name -> [G]
     prompt: str
@@ -97,9 +98,9 @@ def _warn_if_all_empty(groups: list[_Group], epoch: int) -> None:
 def _sample_groups(datamodule, module, prompts: list[dict], timings: dict, round_index: int):
     sampling = datamodule.sampling
     prompt_ids, prompt_mask = datamodule.encode(prompts)
-    with module.generation_context() as model:
-        rollout: Rollout = generate(model, module.tokenizer, prompt_ids, prompt_mask, sampling,
-                                    progress=module.show_progress(f"rollout {round_index + 1}", sampling.max_new_tokens))
+    rollout: Rollout = module.engine.generate(
+        prompt_ids, prompt_mask, sampling,
+        progress=module.show_progress(f"rollout {round_index + 1}", sampling.max_new_tokens))
     timings["generate"] += rollout.seconds
     start = time.perf_counter()
     G = sampling.group_size
@@ -113,7 +114,7 @@ def _sample_groups(datamodule, module, prompts: list[dict], timings: dict, round
         s = slice(i * G, (i + 1) * G)
         groups.append(_Group(
             rollout.prompt_ids[s], rollout.prompt_mask[s], rollout.completion_ids[s],
-            rollout.completion_mask[s], rollout.truncated[s], scores.total[s],
+            rollout.completion_mask[s], rollout.truncated[s], rollout.logprobs[s], scores.total[s],
             {name: values[s] for name, values in scores.per_function.items()},
             prompt["prompt"], rollout.texts[s],
         ))
@@ -129,6 +130,7 @@ def _assemble(groups: list[_Group], module, datamodule, timings: dict):
         "prompt_mask": _left_pad([g.prompt_mask for g in groups], 0),  # [N, P]
         "completion_ids": _right_pad([g.completion_ids for g in groups], pad),  # [N, C]
         "completion_mask": _right_pad([g.completion_mask for g in groups], 0),  # [N, C]
+        "sampler_logprobs": _right_pad([g.sampler_logprobs for g in groups], 0.0),  # [N, C]
     }
     truncated = torch.cat([g.truncated for g in groups])  # [N]
     length_stats = {"rollout/truncated_fraction": truncated.float().mean().item()}

@@ -24,6 +24,7 @@ import torch
 from lit_grpo import checkpointing
 from lit_grpo.checkpointing import AtomicCheckpointIO, atomic_torch_save, check_checkpoint
 from lit_grpo.data import OnPolicyDataModule
+from lit_grpo.generation import GenerationSpec
 from lit_grpo.module import GRPOModule
 from lit_grpo.policy import LoraSpec, PolicySpec, load_tokenizer
 from lit_grpo.rewards import Accuracy, RewardCombiner, RewardFunctionError
@@ -231,7 +232,7 @@ def test_all_completions_empty():
     from lit_grpo.rollout_round import _Group, _warn_if_all_empty
 
     empty = torch.zeros(2, 1)
-    group = _Group(empty, empty, empty, empty, empty.bool()[:, 0], empty[:, 0], {}, "p", ["", " "])
+    group = _Group(empty, empty, empty, empty, empty.bool()[:, 0], empty, empty[:, 0], {}, "p", ["", " "])
     with pytest.warns(RuntimeWarning, match=r"epoch 3: all 4 completions are empty.*Expected some text"):
         _warn_if_all_empty([group, group], epoch=3)
 
@@ -290,15 +291,24 @@ def test_unknown_loss_type(tiny_model_dir):
         GRPOModule(policy=PolicySpec(name_or_path=tiny_model_dir), loss_type="ppo")
 
 
-def test_unknown_generation_dtype(tiny_model_dir):
-    with pytest.raises(ValueError, match=r"model.generation_dtype='int8'; expected one of \['bfloat16'"):
-        GRPOModule(policy=PolicySpec(name_or_path=tiny_model_dir), generation_dtype="int8")
+def test_unknown_generation_dtype():
+    with pytest.raises(ValueError, match=r"model.generation.dtype='int8'; expected one of \['bfloat16'"):
+        GenerationSpec(dtype="int8")
 
 
-def test_generation_dtype_without_the_merged_copy(tiny_model_dir):
-    with pytest.raises(ValueError, match=r"model.generation_dtype='bfloat16' needs model.merge_for_generation=true"):
-        GRPOModule(policy=PolicySpec(name_or_path=tiny_model_dir), generation_dtype="bfloat16",
-                   merge_for_generation=False)
+def test_generation_dtype_without_the_merged_copy():
+    with pytest.raises(ValueError, match=r"model.generation.dtype='bfloat16' needs model.generation.merge=true"):
+        GenerationSpec(dtype="bfloat16", merge=False)
+
+
+def test_unknown_generation_backend():
+    with pytest.raises(ValueError, match=r"model.generation.backend='sglang'; expected one of \['native', 'vllm'\]"):
+        GenerationSpec(backend="sglang")
+
+
+def test_importance_sampling_cap_below_one():
+    with pytest.raises(ValueError, match=r"model.generation.importance_sampling_cap=0.5; expected >= 1 or null"):
+        GenerationSpec(importance_sampling_cap=0.5)
 
 
 # -------------------------------------------------------------- checkpoints

@@ -154,6 +154,7 @@ def grpo_loss(
     importance_level: str = "token",
     max_completion_length: int | None = None,
     num_items: int | float | Tensor | None = None,
+    importance_weights: Tensor | None = None,
 ) -> LossOutput:
     """Clipped GRPO surrogate with a k3 KL penalty, aggregated by ``loss_type``.
 
@@ -182,6 +183,11 @@ def grpo_loss(
         max_completion_length: Generation length cap; required by "dr_grpo".
         num_items: Real completion tokens in the whole rollout batch (all
             accumulation steps and ranks); required by "dapo".
+        importance_weights: ``[N, T]`` per-token weights of the clipped
+            surrogate (not of the KL term), without grad: the truncated
+            importance-sampling correction ``min(pi_old / pi_sampler, C)``
+            for completions sampled by an engine whose distribution differs
+            from the trainer's. ``None`` weighs every token 1.
 
     Returns:
         :class:`LossOutput`: scalar ``loss``; ``metrics`` with ``clip_ratio/low``,
@@ -215,6 +221,9 @@ def grpo_loss(
     adv = _broadcastable_advantages(advantages.to(logprobs.dtype), real)  # [N, 1] or [N, T]
     clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
     per_token = -torch.minimum(ratio * adv, clipped * adv).expand_as(mask)  # [N, T]
+    if importance_weights is not None:
+        _check_shapes(logprobs, advantages, importance_weights=importance_weights)
+        per_token = per_token * importance_weights.detach().to(per_token.dtype)
 
     metrics = _clip_metrics(ratio.detach().expand_as(mask), adv, mask, epsilon_low, epsilon_high)
     if beta > 0:

@@ -1,0 +1,238 @@
+"""The vLLM engine: vLLM colocated in the training process, one engine per rank.
+
+How it works with training:
+
+* **One engine per rank, in this process** (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+  tensor parallel 1). Each rank samples its own prompts, as with the native
+  engine. The engine is started at the first rollout with random ("dummy")
+  weights and then receives the policy's, so it always samples from exactly
+  what trains, whatever the checkpoint on disk holds.
+* **Weights after every optimizer step**, pushed before the next sampling
+  call without restarting the engine: the LoRA adapter is folded into the
+  weights (:func:`lit_grpo.merged.merged_weights`; FSDP2 shards are gathered
+  first) and vLLM reloads the adapted layers in place
+  (``reload_weights(..., is_checkpoint_format=True)``, which repacks them for
+  its kernels), then its prefix cache is cleared. Only the adapted layers
+  move after the first push; full fine-tuning pushes everything.
+* **Bounded memory**: the KV cache gets ``generation.kv_cache_gb`` (vLLM would
+  otherwise reserve 90% of the device, which on a CPU is the RAM). Prefix
+  caching is on, so a group's prompt is prefilled once for its G samples.
+* **Reproducible**: every prompt's request carries a seed drawn from torch's
+  global generator, which the DataModule seeds from ``(seed, epoch, rank)``;
+  the G samples of a prompt use ``seed + i``. A resumed run regenerates
+  exactly what the uninterrupted one did.
+* **Side effects contained**: starting vLLM re-seeds the global RNGs and, on
+  CPUs, replaces ``torch.set_num_threads`` with a no-op; both are put back.
+* **Log-probs**: vLLM returns each sampled token's log-prob under the
+  distribution it drew from (``logprobs_mode="processed_logprobs"``:
+  temperature, then top-k/top-p), which the training step compares with the
+  trainer's (``sampler/*`` metrics) and may correct for
+  (``generation.importance_sampling_cap``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from lit_grpo.distributed import gathered
+from lit_grpo.merged import merged_weights, trained_weight_names
+from lit_grpo.policy import EMBEDDED, embedded_model_dir
+from lit_grpo.rollout import Rollout, SamplingSpec, completion_mask, eos_ids
+
+class VLLMEngine:
+    """Samples with a colocated vLLM engine (see the module docstring).
+
+    Args:
+        spec: The generation settings (``dtype``, ``kv_cache_gb``, ``max_model_len``).
+        module: The training module: its ``policy``, ``tokenizer`` and
+            ``spec`` are read, and its DataModule's prompt length.
+
+    Raises:
+        ValueError: A policy this engine cannot mirror (4-bit base weights, a GGUF file).
+    """
+
+    def __init__(self, spec, module) -> None:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines would bury the progress bars
+        check_policy(module.spec)
+        self.spec, self.module = spec, module
+        self.llm = None  # started at the first call, when the longest sequence is known
+        self.pushed: set[str] | None = None  # names pushed after the first (full) push
+        self.stale = True  # the engine's weights are behind the policy's
+        self.push_seconds = 0.0  # spent pushing weights, over the engine's life
+
+    # ------------------------------------------------------------- sampling
+    def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingSpec, *,
+                 greedy: bool = False, repeat: int | None = None, progress=None) -> Rollout:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        repeat = repeat or (1 if greedy else sampling.group_size)
+        if self.llm is None:
+            self._start(prompt_ids.shape[1] + sampling.max_new_tokens)
+        if self.stale:
+            self.push_weights()
+        tokenizer = self.module.tokenizer
+        eos = [] if sampling.ignore_eos else eos_ids(tokenizer, self.module.policy)
+        prompts = [TokensPrompt(prompt_token_ids=row[mask.bool()].tolist())
+                   for row, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+        # Greedy decoding draws nothing; sampling draws one seed per prompt from the caller's seeded RNG.
+        seeds = [None] * len(prompts) if greedy else torch.randint(0, 2**31 - 1 - repeat, (len(prompts),)).tolist()
+        params = [SamplingParams(
+            n=repeat, seed=seed, max_tokens=sampling.max_new_tokens, temperature=0.0 if greedy else sampling.temperature,
+            top_p=1.0 if greedy else sampling.top_p, top_k=0 if greedy else sampling.top_k,
+            stop_token_ids=eos, ignore_eos=sampling.ignore_eos, logprobs=None if greedy else 0, detokenize=False,
+        ) for seed in seeds]
+        start = time.perf_counter()
+        with _contained():
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        if progress is not None:
+            progress.update(sampling.max_new_tokens)
+            progress.close()
+        return self._rollout(outputs, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, seconds)
+
+    def _rollout(self, outputs, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, seconds) -> Rollout:
+        """vLLM's request outputs as a :class:`Rollout` (rows of one prompt contiguous)."""
+        tokenizer = self.module.tokenizer
+        n = len(outputs) * repeat
+        completion_ids = torch.full((n, sampling.max_new_tokens), tokenizer.pad_token_id, dtype=torch.long)
+        logprobs = torch.zeros(n, sampling.max_new_tokens)
+        for i, sample in enumerate(s for output in outputs for s in output.outputs):
+            ids = list(sample.token_ids)
+            completion_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            if not greedy:
+                logprobs[i, : len(ids)] = torch.tensor([step[token].logprob for step, token in zip(sample.logprobs, ids)])
+        mask, truncated = completion_mask(completion_ids, eos)
+        completion_ids = completion_ids.masked_fill(mask == 0, tokenizer.pad_token_id)
+        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        return Rollout(prompt_ids.cpu().repeat_interleave(repeat, 0), prompt_mask.cpu().repeat_interleave(repeat, 0),
+                       completion_ids, mask, truncated, texts, seconds,
+                       None if greedy else logprobs.masked_fill(mask == 0, 0.0))
+
+    # ------------------------------------------------------------- weights
+    def weights_changed(self) -> None:
+        self.stale = True
+
+    @torch.no_grad()
+    def push_weights(self) -> None:
+        """Copy the policy's current (merged) weights into the engine."""
+        start = time.perf_counter()
+        policy = self.module.policy
+        dtype = _torch_dtype(self.spec, self.module)
+        with gathered(policy):
+            weights = merged_weights(policy)
+            if self.pushed is not None:
+                weights = {name: w for name, w in weights.items() if name in self.pushed}
+            batch = [(name, w.detach().to("cpu" if self._on_cpu else w.device, dtype).contiguous())
+                     for name, w in weights.items()]
+        with _contained():
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": batch, "is_checkpoint_format": True})
+            self.llm.reset_prefix_cache()
+        if self.pushed is None:
+            self.pushed = trained_weight_names(policy)
+        self.stale = False
+        self.push_seconds += time.perf_counter() - start
+
+    # ------------------------------------------------------------- lifecycle
+    def _start(self, longest: int) -> None:
+        from vllm import LLM
+
+        module = self.module
+        max_len = self.spec.max_model_len or max(longest, _planned_length(module))
+        self._on_cpu = module.device.type == "cpu"
+        if _distributed():  # vLLM's external launcher reads the rank from the environment
+            os.environ.setdefault("RANK", str(torch.distributed.get_rank()))
+            os.environ.setdefault("LOCAL_RANK", str(module.local_rank))
+            os.environ.setdefault("WORLD_SIZE", str(torch.distributed.get_world_size()))
+        with _contained():
+            self.llm = LLM(
+                model=str(embedded_model_dir() if module.spec.name_or_path == EMBEDDED else module.spec.name_or_path),
+                load_format="dummy",  # the policy's weights are pushed before the first request
+                dtype=_dtype_name(_torch_dtype(self.spec, module)),
+                seed=0,
+                enforce_eager=True,
+                enable_prefix_caching=True,
+                kv_cache_memory_bytes=int(self.spec.kv_cache_gb * 2**30),
+                max_model_len=max_len,
+                logprobs_mode="processed_logprobs",
+                disable_log_stats=True,
+                # Under DDP/FSDP each rank's engine joins the process group the trainer
+                # launched instead of starting its own (tensor parallel 1: one engine per rank).
+                distributed_executor_backend="external_launcher" if _distributed() else None,
+            )
+        # A partial push (only the adapted layers) is expected to leave the rest as it is.
+        logging.getLogger("vllm.model_executor.model_loader.reload").setLevel(logging.ERROR)
+
+    def close(self) -> None:
+        if self.llm is not None:
+            with contextlib.suppress(Exception):
+                self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+            self.pushed, self.stale = None, True
+
+
+def check_policy(policy_spec) -> None:
+    """Refuse a policy the vLLM engine cannot mirror, naming the field.
+
+    Raises:
+        ValueError: 4-bit base weights (QLoRA) or a GGUF file.
+    """
+    if policy_spec.load_in_4bit:
+        raise ValueError("model.generation.backend='vllm' with model.policy.load_in_4bit=true is not "
+                         "supported: vLLM would need the 4-bit weights de-quantized each step; use the "
+                         "native engine for QLoRA.")
+    if policy_spec.gguf_file:
+        raise ValueError(f"model.generation.backend='vllm' cannot start from policy.gguf_file="
+                         f"{policy_spec.gguf_file!r}; convert it to a safetensors folder first.")
+
+
+def _planned_length(module) -> int:
+    """Longest prompt + completion the DataModule will ask for (0 when unknown)."""
+    datamodule = getattr(module.trainer, "datamodule", None) if module._trainer else None
+    if datamodule is None:
+        return 0
+    return (datamodule.hparams.max_prompt_length or 0) + datamodule.sampling.max_new_tokens
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _torch_dtype(spec, module) -> torch.dtype:
+    from lit_grpo.policy import DTYPES
+
+    return DTYPES[spec.dtype] if spec.dtype else module.spec.torch_dtype
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+
+
+@contextlib.contextmanager
+def _contained() -> Iterator[None]:
+    """Undo vLLM's process-wide side effects: global RNG re-seeds and, on CPUs, a
+    ``torch.set_num_threads`` turned into a no-op (and a changed thread count)."""
+    rng = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(rng[0])
+        random.setstate(rng[1])
+        np.random.set_state(rng[2])
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        torch.set_num_threads = set_num_threads
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
