@@ -26,7 +26,8 @@ ROW_KEYS = (
 )
 # Of those, the ones with one column per completion token (trimmed with the completions).
 # ``advantages`` is one of them when the estimator is token-level ([N, C], e.g. GAE).
-TOKEN_KEYS = ("completion_ids", "completion_mask", "advantages", "old_logprobs", "ref_logprobs", "values", "returns")
+TOKEN_KEYS = ("completion_ids", "completion_mask", "advantages", "old_logprobs", "ref_logprobs", "sampler_logprobs",
+              "values", "returns")
 
 
 class RolloutBuffer(IterableDataset):
