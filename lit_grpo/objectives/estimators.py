@@ -16,8 +16,8 @@ deliberately no common signature; the rollout code calls the one named:
   completion_mask)`` -> :class:`TokenAdvantages` ``[N, T]``; needs a critic
   for ``values``, and ``token_rewards`` from :func:`ppo_token_rewards`.
 
-``grpo_loss`` takes one advantage per completion ``[N]``; the token-level
-estimators need a loss that accepts ``[N, T]`` advantages.
+``grpo_loss`` takes one advantage per completion ``[N]`` or one per token
+``[N, T]`` (what the token-level estimators give); ``ppo_loss`` takes ``[N, T]``.
 
 The algorithms, and where they depart from their sources:
 
