@@ -20,6 +20,33 @@ Rows:
   trained in the same step; it measures the "no critic" saving GRPO claims.
 
 each with and without gradient checkpointing.
+
+Completion length (needs TRL: ``pip install -e .[bench]``)::
+
+    python benchmarks/memory.py --lengths 64 256 1024
+
+One table of peak memory and seconds per step against completion length:
+lit_grpo's LoRA without and with gradient checkpointing beside TRL's
+``GRPOTrainer`` (trl>=1.16) with its gradient checkpointing on, as its users
+run it. Each row is a fresh process running ``--steps`` steps (default 2) of
+1 prompt x G=8 completions sampled to exactly the given length (lit_grpo:
+``SamplingSpec(ignore_eos=True)``; TRL: ``generation_kwargs={"min_new_tokens":
+length}``), so every step trains 8 x length completion tokens. Both sides: the
+embedded SmolLM2-135M-Instruct in fp32, a LoRA adapter (r=16, alpha=32, no
+dropout, all linear layers but the head), the built-in ``arithmetic`` prompts
+(lit_grpo's order, chat-formatted by lit_grpo), the accuracy reward,
+beta=0.04 (the reference, adapter disabled, is scored too), clip 0.2, the
+per-sequence mean loss, AdamW at lr 1e-4, gradient norm clipped at 1.0,
+temperature 0.8. A step is timed from the start of its rollout to the end of
+its optimizer step; seconds per step is the median over the steps after the
+first (warm-up). Peak memory is measured as for the first table (the child's
+peak RSS, model loading included, on CPU; allocated CUDA memory on a GPU),
+and completions that are not exactly the given length fail the row. A smoke
+run on a tiny random model::
+
+    python -c "import torch; from lit_grpo.random_models import save_random_model; \\
+        save_random_model('tiny', '/tmp/tiny-llama', torch.float32)"
+    python benchmarks/memory.py --lengths 16 --steps 1 --model /tmp/tiny-llama
 """
 
 from __future__ import annotations
@@ -28,8 +55,10 @@ import argparse
 import copy
 import json
 import resource
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -108,32 +137,200 @@ def run_one(name: str, checkpointing: bool) -> dict:
     start = time.perf_counter()
     trainer.fit(module, data)
     seconds = time.perf_counter() - start
-    if gpu:
-        peak_mib = torch.cuda.max_memory_allocated() / 2**20
-    else:
-        peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
     trainable = sum(p.numel() for p in module.trainable_parameters())
-    return {"peak_mib": peak_mib, "seconds": seconds, "trainable": trainable, "gpu": gpu}
+    return {"peak_mib": _peak_mib(gpu), "seconds": seconds, "trainable": trainable, "gpu": gpu}
+
+
+def _peak_mib(gpu: bool) -> float:
+    """This process's peak memory so far: allocated CUDA memory on a GPU, else peak RSS."""
+    if gpu:
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+# ------------------------------------------------------- completion length
+GROUP_SIZE = 8
+LENGTH_ROWS = (("lit_grpo", False), ("lit_grpo", True), ("trl", True))  # (system, gradient checkpointing)
+
+
+def _length_data(length: int, cls=None):
+    """lit_grpo's DataModule for the length table: 1 prompt x G rows of exactly ``length`` tokens."""
+    from lit_grpo.data import OnPolicyDataModule
+    from lit_grpo.rewards import Accuracy
+    from lit_grpo.rollout import SamplingSpec
+
+    sampling = SamplingSpec(group_size=GROUP_SIZE, temperature=0.8, max_new_tokens=length, ignore_eos=True)
+    return (cls or OnPolicyDataModule)(
+        source="arithmetic", task_args={"digits": 2, "ops": "+"}, train_size=64, val_size=1, prompts_per_epoch=1,
+        batch_size=GROUP_SIZE, sampling=sampling, rewards=[Accuracy()], seed=0,
+    )
+
+
+def run_length_lit(model: str, length: int, checkpointing: bool, steps: int) -> list[float]:
+    """``steps`` GRPO steps (one rollout and one optimizer step each) with lit_grpo; each one's seconds."""
+    import lightning as L
+
+    from lit_grpo.data import OnPolicyDataModule
+    from lit_grpo.module import GRPOModule
+    from lit_grpo.policy import LoraSpec, PolicySpec
+
+    seconds: list[float] = []
+
+    class Timed(OnPolicyDataModule):
+        def rollout_buffer(self):  # Lightning runs the rollout here, before on_train_epoch_start
+            self.started = time.perf_counter()
+            return super().rollout_buffer()
+
+    class StepTimer(L.Callback):
+        def on_train_epoch_end(self, trainer, module):
+            seconds.append(time.perf_counter() - trainer.datamodule.started)
+            _check_length(trainer.datamodule.last_stats["completion/length_mean"], length)
+
+    spec = PolicySpec(name_or_path=model, lora=LoraSpec(r=16, alpha=32, dropout=0.0, target_modules="all-linear"),
+                      gradient_checkpointing=checkpointing)
+    module = GRPOModule(
+        policy=spec, beta=0.04, epsilon_low=0.2, epsilon_high=0.2, loss_type="grpo",
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0),
+        progress=False, log_samples=0, validate_before_training=False,
+    )
+    trainer = L.Trainer(
+        accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=1, max_epochs=steps,
+        reload_dataloaders_every_n_epochs=1, limit_val_batches=0, num_sanity_val_steps=0, gradient_clip_val=1.0,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[StepTimer()],
+    )
+    trainer.fit(module, _length_data(length, Timed))
+    return seconds
+
+
+def run_length_trl(model: str, length: int, steps: int) -> list[float]:
+    """``steps`` GRPO steps with TRL's GRPOTrainer, its gradient checkpointing on; each one's seconds."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from lit_grpo.data import chat_prompts
+    from lit_grpo.policy import embedded_model_dir
+    from lit_grpo.rewards import accuracy
+
+    path = str(embedded_model_dir()) if model == "embedded" else model
+    data = _length_data(length)
+    data.setup("fit")
+    rows = data.next_prompts(steps)  # the prompts lit_grpo draws, in its order, formatted as it formats them
+    texts = chat_prompts(AutoTokenizer.from_pretrained(path), [row["prompt"] for row in rows],
+                         data.hparams.system_prompt, data.hparams.prompt_template)
+    dataset = Dataset.from_list([{"prompt": text, "answer": row["answer"]} for text, row in zip(texts, rows)])
+    seconds: list[float] = []
+
+    class StepTimer(TrainerCallback):  # TRL samples inside the step
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            seconds.append(time.perf_counter() - self.start)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "completions/mean_length" in logs:
+                _check_length(logs["completions/mean_length"], length)
+
+    with tempfile.TemporaryDirectory() as root:
+        config = GRPOConfig(
+            output_dir=root, use_cpu=not torch.cuda.is_available(), bf16=False, model_init_kwargs={"dtype": "float32"},
+            seed=0, per_device_train_batch_size=GROUP_SIZE, gradient_accumulation_steps=1, steps_per_generation=1,
+            num_generations=GROUP_SIZE, max_completion_length=length, generation_kwargs={"min_new_tokens": length},
+            temperature=0.8, top_p=1.0, top_k=0, beta=0.04, epsilon=0.2, num_iterations=1, loss_type="grpo",
+            scale_rewards="group", learning_rate=1e-4, lr_scheduler_type="constant", weight_decay=0.0,
+            max_grad_norm=1.0, gradient_checkpointing=True, max_steps=steps, shuffle_dataset=False,
+            save_strategy="no", logging_steps=1, report_to="none", disable_tqdm=True,
+        )
+        lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+        GRPOTrainer(model=path, reward_funcs=[accuracy], args=config, train_dataset=dataset, peft_config=lora,
+                    callbacks=[StepTimer()]).train()
+    return seconds
+
+
+def _check_length(mean_length: float, length: int) -> None:
+    if mean_length != length:
+        raise RuntimeError(f"completions averaged {mean_length} tokens, not the fixed {length}")
+
+
+def run_length(system: str, model: str, length: int, checkpointing: bool, steps: int) -> dict:
+    """One row of the length table in this process: peak memory and the median warm step's seconds."""
+    if system == "lit_grpo":
+        seconds = run_length_lit(model, length, checkpointing, steps)
+    else:
+        seconds = run_length_trl(model, length, steps)
+    gpu = torch.cuda.is_available()
+    return {"peak_mib": _peak_mib(gpu), "step_s": statistics.median(seconds[1:] or seconds), "gpu": gpu}
+
+
+def length_table(lengths: list[int], steps: int, model: str) -> None:
+    """Print the length table, each row from a fresh process."""
+    from importlib.metadata import version
+
+    rows = {}
+    for length in lengths:
+        for system, checkpointing in LENGTH_ROWS:
+            command = [sys.executable, __file__, "--length-child", system, "--lengths", str(length),
+                       "--steps", str(steps), "--model", model] + (["--checkpointing"] if checkpointing else [])
+            result = _child(command, f"{system} at {length} tokens (checkpointing={checkpointing})")
+            if result is not None:
+                rows[length, system, checkpointing] = result
+    if not rows:
+        return
+    measure = "torch.cuda.max_memory_allocated" if next(iter(rows.values()))["gpu"] else "peak RSS (ru_maxrss)"
+    timing = {1: "step 1, warm-up included", 2: "step 2"}.get(steps, f"median of steps 2-{steps}")
+    print(f"GRPO steps, {model}, LoRA r=16, 1 prompt x G={GROUP_SIZE} completions of exactly N tokens, beta=0.04, "
+          f"fp32; {measure}; step s: {timing}")
+    print("| N tokens | system         | grad ckpt | peak MiB | step s | peak / TRL | step / TRL |")
+    print("|----------|----------------|-----------|----------|--------|------------|------------|")
+    labels = {"lit_grpo": f"lit_grpo {version('lit_grpo')}", "trl": f"TRL {version('trl')}"}
+    for (length, system, checkpointing), r in rows.items():
+        trl = rows.get((length, "trl", True))
+        ratios = (f"{r['peak_mib'] / trl['peak_mib']:10.2f} | {r['step_s'] / trl['step_s']:10.2f}" if trl
+                  else f"{'-':>10} | {'-':>10}")
+        print(f"| {length:8d} | {labels[system]:<14} | {'yes' if checkpointing else 'no':<9} | "
+              f"{r['peak_mib']:8.0f} | {r['step_s']:6.1f} | {ratios} |")
+
+
+def _child(command: list[str], label: str) -> dict | None:
+    """Run ``command`` (this script in a child role); its ``RESULT`` line, or ``None`` after reporting a failure."""
+    out = subprocess.run(command, capture_output=True, text=True)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    if out.returncode != 0 or not lines:
+        print(f"{label} failed:\n{out.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(lines[-1][len("RESULT "):])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+",
+                        help="Completion lengths: print the length table (lit_grpo vs TRL) instead.")
+    parser.add_argument("--steps", type=int, default=2, help="Steps per row of the length table.")
+    parser.add_argument("--model", default="embedded", help="policy.name_or_path of the length table.")
     parser.add_argument("--one", choices=list(CONFIGS), help=argparse.SUPPRESS)
+    parser.add_argument("--length-child", choices=["lit_grpo", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         print("RESULT " + json.dumps(run_one(args.one, args.checkpointing)))
         return
+    if args.length_child:
+        result = run_length(args.length_child, args.model, args.lengths[0], args.checkpointing, args.steps)
+        print("RESULT " + json.dumps(result))
+        return
+    if args.lengths:
+        length_table(args.lengths, args.steps, args.model)
+        return
     rows = []
     for name in CONFIGS:
         for checkpointing in (False, True):
             command = [sys.executable, __file__, "--one", name] + (["--checkpointing"] if checkpointing else [])
-            out = subprocess.run(command, capture_output=True, text=True)
-            lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-            if out.returncode != 0 or not lines:
-                print(f"{name} (checkpointing={checkpointing}) failed:\n{out.stderr[-2000:]}", file=sys.stderr)
-                continue
-            rows.append((name, checkpointing, json.loads(lines[-1][len("RESULT "):])))
+            result = _child(command, f"{name} (checkpointing={checkpointing})")
+            if result is not None:
+                rows.append((name, checkpointing, result))
     measure = "torch.cuda.max_memory_allocated" if rows and rows[0][2]["gpu"] else "peak RSS (ru_maxrss)"
     print(f"One GRPO step, embedded SmolLM2-135M, 4 prompts x G=8 x 24 new tokens; {measure}")
     print(f"| {'configuration':<26} | grad ckpt | peak MiB | trainable params | step s |")

@@ -38,9 +38,9 @@ class OnPolicyDataModule(L.LightningDataModule):
     """Prompts in, scored on-policy rollouts out, regenerated every epoch.
 
     Args:
-        source: A built-in task (``arithmetic``, ``countdown``), a local
-            ``.json/.jsonl/.parquet/.csv`` file, or a hub dataset
-            (``name`` or ``name:config``).
+        source: A built-in task (``arithmetic``, ``countdown``,
+            ``word_problems``), a local ``.json/.jsonl/.parquet/.csv`` file,
+            or a hub dataset (``name`` or ``name:config``).
         split: Training split of a file or hub source.
         val_split: Held-out split; ``None`` holds out ``val_size`` rows of the
             training split instead (built-in tasks generate a disjoint set).

@@ -21,8 +21,9 @@ def load_rows(source: str, split: str, task_args: dict | None, seed: int, size: 
     """Load raw rows (dataset column names) from ``source``.
 
     Args:
-        source: A built-in task name (``arithmetic``, ``countdown``), a local
-            ``.json/.jsonl/.parquet/.csv`` file, or a hub dataset name.
+        source: A built-in task name (``arithmetic``, ``countdown``,
+            ``word_problems``), a local ``.json/.jsonl/.parquet/.csv`` file,
+            or a hub dataset name.
         split: The dataset split (hub and local sources).
         task_args: Keyword arguments for a built-in task; ignored, with a
             warning, for other sources.
@@ -87,7 +88,7 @@ def _load_hub_dataset(source: str, split: str):
             raise ValueError(
                 f"data.source={source!r} is not a local file, the dataset hub is not reachable (offline) "
                 "and the dataset is not in the local cache; save it as a .jsonl/.parquet file where there "
-                "is network and pass the file, or use a built-in task (arithmetic, countdown)."
+                f"is network and pass the file, or use a built-in task {sorted(TASKS)}."
             ) from error
         raise ValueError(f"data.source={source!r} could not be loaded from the dataset hub: {error}") from error
 
