@@ -21,6 +21,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from safetensors.torch import load_file
 
 from lit_grpo.data import OnPolicyDataModule, chat_prompts
 from lit_grpo.generation import GenerationSpec
@@ -29,6 +30,7 @@ from lit_grpo.logprob_passes import completion_logprobs
 from lit_grpo.module import GRPOModule
 from lit_grpo.policy import LoraSpec, PolicySpec
 from lit_grpo.rollout import SamplingSpec, encode_prompts
+from test_chaos import fit_command, run
 from test_module import length_reward
 
 pytest.importorskip("vllm")
@@ -171,3 +173,22 @@ def test_ddp_two_ranks_one_engine_each(tmp_path, model_dir):
     rows = list(csv.DictReader(open(next(root.rglob("metrics.csv")))))
     gaps = [float(r["sampler/logprob_abs_diff"]) for r in rows if r.get("sampler/logprob_abs_diff")]
     assert len(gaps) == 2 and max(gaps) < 1e-4  # per epoch, reduced over both ranks
+
+
+def test_sigkilled_vllm_run_resumes_to_the_same_adapter(tmp_path, model_dir):
+    """The real CLI, SIGKILLed inside an epoch and at the start of the next (whose rollout the
+    resumed run regenerates with a fresh engine), ends bitwise where a straight run ends."""
+    vllm = ("--model.generation.backend=vllm", "--model.policy.dtype=float32")
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    assert run(fit_command(model_dir, straight, *vllm)).returncode == 0
+    for phase, epoch, index in (("backward", 0, 1), ("backward", 1, 0)):
+        result = run(fit_command(model_dir, killed, *vllm, "--ckpt_path=last", "--trainer.callbacks+=chaos.Chaos",
+                                 f"--trainer.callbacks.phase={phase}", f"--trainer.callbacks.epoch={epoch}",
+                                 f"--trainer.callbacks.index={index}"))
+        assert result.returncode == -9, f"{phase} {epoch} {index} did not strike:\n{result.stderr[-3000:]}"
+    result = run(fit_command(model_dir, killed, *vllm, "--ckpt_path=last"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected, actual = (load_file(d / "adapter" / "adapter_model.safetensors") for d in (straight, killed))
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        assert torch.equal(expected[name], actual[name]), name
