@@ -134,10 +134,10 @@ def _rollout_kl(module, rows: dict, temperature: float) -> float:
 
 def run_one(algorithm: str, seed: int, args: argparse.Namespace) -> dict:
     """Train one algorithm for one seed in this process; return its measurements."""
+    from lit_grpo.algorithms.grpo import GRPOModule
+    from lit_grpo.algorithms.ppo import PPOModule
     from lit_grpo.cli import GRPOCli
-    from lit_grpo.data import OnPolicyDataModule
-    from lit_grpo.module import GRPOModule
-    from lit_grpo.ppo import PPOModule
+    from lit_grpo.data.grpo import OnPolicyDataModule
 
     _, command, config, extra = ALGORITHMS[algorithm]
     log_dir = Path(args.out) / "logs" / f"{algorithm}-{seed}"

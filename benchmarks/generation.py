@@ -30,13 +30,13 @@ import time
 
 import torch
 
-from lit_grpo.data import OnPolicyDataModule, chat_prompts
+from lit_grpo.algorithms.grpo import GRPOModule
+from lit_grpo.data.grpo import OnPolicyDataModule, chat_prompts
+from lit_grpo.data.word_problems import word_problems
 from lit_grpo.generation import GenerationSpec
-from lit_grpo.module import GRPOModule
+from lit_grpo.generation.rollout import SamplingSpec, encode_prompts, eos_ids
 from lit_grpo.policy import LoraSpec, PolicySpec
 from lit_grpo.rewards import Accuracy
-from lit_grpo.rollout import SamplingSpec, encode_prompts, eos_ids
-from lit_grpo.word_problems import word_problems
 
 SYSTEM = "Think step by step, then give the final number after ####."
 

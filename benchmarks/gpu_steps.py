@@ -66,7 +66,7 @@ def run_job(shape: str, adapter: str, models: Path, dry_run: bool) -> None:
     """Load one (model, adapter) and print one ``RESULT`` line per recipe."""
     import torch
 
-    from lit_grpo.module import GRPOModule
+    from lit_grpo.algorithms.grpo import GRPOModule
     from lit_grpo.policy import LoraSpec, PolicySpec
     from lit_grpo.random_models import parameter_count, save_random_model
 
@@ -107,8 +107,8 @@ def fit_one_step(module, prompts: int, group_size: int, new_tokens: int, gpu: bo
     import lightning as L
     import torch
 
-    from lit_grpo.data import OnPolicyDataModule
-    from lit_grpo.rollout import SamplingSpec
+    from lit_grpo.data.grpo import OnPolicyDataModule
+    from lit_grpo.generation.rollout import SamplingSpec
 
     class TimedRollouts(OnPolicyDataModule):
         # Lightning iterates the epoch's loader, which runs the rollout, before

@@ -74,7 +74,7 @@ CONFIGS = {
 
 def _critic_module():
     """GRPOModule plus a PPO-style critic: a trainable copy of the model with a value head."""
-    from lit_grpo.module import GRPOModule
+    from lit_grpo.algorithms.grpo import GRPOModule
 
     class WithCritic(GRPOModule):
         def configure_model(self) -> None:
@@ -109,11 +109,11 @@ def run_one(name: str, checkpointing: bool) -> dict:
     """One GRPO step in this process; returns peak memory and seconds."""
     import lightning as L
 
-    from lit_grpo.data import OnPolicyDataModule
-    from lit_grpo.module import GRPOModule
+    from lit_grpo.algorithms.grpo import GRPOModule
+    from lit_grpo.data.grpo import OnPolicyDataModule
+    from lit_grpo.generation.rollout import SamplingSpec
     from lit_grpo.policy import LoraSpec, PolicySpec
     from lit_grpo.rewards import Accuracy
-    from lit_grpo.rollout import SamplingSpec
 
     config = CONFIGS[name]
     gpu = torch.cuda.is_available()
@@ -155,9 +155,9 @@ LENGTH_ROWS = (("lit_grpo", False), ("lit_grpo", True), ("trl", True))  # (syste
 
 def _length_data(length: int, cls=None):
     """lit_grpo's DataModule for the length table: 1 prompt x G rows of exactly ``length`` tokens."""
-    from lit_grpo.data import OnPolicyDataModule
+    from lit_grpo.data.grpo import OnPolicyDataModule
+    from lit_grpo.generation.rollout import SamplingSpec
     from lit_grpo.rewards import Accuracy
-    from lit_grpo.rollout import SamplingSpec
 
     sampling = SamplingSpec(group_size=GROUP_SIZE, temperature=0.8, max_new_tokens=length, ignore_eos=True)
     return (cls or OnPolicyDataModule)(
@@ -170,8 +170,8 @@ def run_length_lit(model: str, length: int, checkpointing: bool, steps: int) -> 
     """``steps`` GRPO steps (one rollout and one optimizer step each) with lit_grpo; each one's seconds."""
     import lightning as L
 
-    from lit_grpo.data import OnPolicyDataModule
-    from lit_grpo.module import GRPOModule
+    from lit_grpo.algorithms.grpo import GRPOModule
+    from lit_grpo.data.grpo import OnPolicyDataModule
     from lit_grpo.policy import LoraSpec, PolicySpec
 
     seconds: list[float] = []
@@ -210,7 +210,7 @@ def run_length_trl(model: str, length: int, steps: int) -> list[float]:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from lit_grpo.data import chat_prompts
+    from lit_grpo.data.grpo import chat_prompts
     from lit_grpo.policy import embedded_model_dir
     from lit_grpo.rewards import accuracy
 

@@ -26,13 +26,13 @@ import time
 
 import torch
 
-from lit_grpo.data import chat_prompts
+from lit_grpo.algorithms.grpo import GRPOModule
+from lit_grpo.data.grpo import chat_prompts
+from lit_grpo.data.tasks import arithmetic
 from lit_grpo.generation import GenerationSpec
 from lit_grpo.generation.native import NativeEngine
-from lit_grpo.module import GRPOModule
+from lit_grpo.generation.rollout import SamplingSpec, encode_prompts
 from lit_grpo.policy import LoraSpec, PolicySpec, embedded_model_dir
-from lit_grpo.rollout import SamplingSpec, encode_prompts
-from lit_grpo.tasks import arithmetic
 
 
 def perturb(module: GRPOModule, step: int) -> None:

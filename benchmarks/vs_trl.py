@@ -87,9 +87,9 @@ class Settings:
 
 # ------------------------------------------------------------------ prompts
 def lit_datamodule(s: Settings, cls=None):
-    from lit_grpo.data import OnPolicyDataModule
+    from lit_grpo.data.grpo import OnPolicyDataModule
+    from lit_grpo.generation.rollout import SamplingSpec
     from lit_grpo.rewards import Accuracy
-    from lit_grpo.rollout import SamplingSpec
 
     sampling = SamplingSpec(group_size=s.group_size, temperature=s.temperature, max_new_tokens=s.max_new_tokens)
     return (cls or OnPolicyDataModule)(
@@ -104,7 +104,7 @@ def trl_dataset(s: Settings):
     from datasets import Dataset
     from transformers import AutoTokenizer
 
-    from lit_grpo.data import chat_prompts
+    from lit_grpo.data.grpo import chat_prompts
     from lit_grpo.policy import embedded_model_dir
 
     data = lit_datamodule(s)
@@ -122,9 +122,9 @@ def run_lit(s: Settings) -> dict:
     import lightning as L
     import torch
 
-    from lit_grpo.data import OnPolicyDataModule
+    from lit_grpo.algorithms.grpo import GRPOModule
+    from lit_grpo.data.grpo import OnPolicyDataModule
     from lit_grpo.generation import GenerationSpec
-    from lit_grpo.module import GRPOModule
     from lit_grpo.policy import LoraSpec, PolicySpec
 
     class RolloutTimed(OnPolicyDataModule):

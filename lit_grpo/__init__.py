@@ -5,31 +5,80 @@
 are imported on first use, so that ``import lit_grpo.objectives`` (the pure
 torch math) and ``import lit_grpo.rewards`` never pull Lightning or
 transformers.
+
+The folders are the architecture; arrows point down only:
+``algorithms`` (the LightningModules) -> ``data`` (the DataModules, rollout
+rounds, sources) -> ``generation`` (sampling engines), ``rewards``,
+``objectives`` (pure math), with the shared pieces (``policy``,
+``logprob_passes``, ``distributed``, ``checkpointing``, ...) at the top level.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
 
 __version__ = "0.1.0"
 
 # Public name -> the module that defines it.
 _EXPORTS = {
-    "GRPOModule": "lit_grpo.module",
-    "OnPolicyDataModule": "lit_grpo.data",
-    "DPOModule": "lit_grpo.dpo",
-    "PPOModule": "lit_grpo.ppo",
-    "PreferenceDataModule": "lit_grpo.dpo_data",
-    "PolicyModule": "lit_grpo.policy_module",
+    "GRPOModule": "lit_grpo.algorithms.grpo",
+    "OnPolicyDataModule": "lit_grpo.data.grpo",
+    "DPOModule": "lit_grpo.algorithms.dpo",
+    "PPOModule": "lit_grpo.algorithms.ppo",
+    "PreferenceDataModule": "lit_grpo.data.preferences",
+    "PolicyModule": "lit_grpo.algorithms.base",
     "PolicySpec": "lit_grpo.policy",
     "LoraSpec": "lit_grpo.policy",
-    "SamplingSpec": "lit_grpo.rollout",
+    "SamplingSpec": "lit_grpo.generation.rollout",
     "GenerationSpec": "lit_grpo.generation",
     "AtomicCheckpointIO": "lit_grpo.checkpointing",
     "PlotCallback": "lit_grpo.plots",
     "BeforeAfterAnswers": "lit_grpo.answers",
 }
 __all__ = sorted(_EXPORTS)
+
+# Modules of the flat layout -> where they live now, so that YAML ``class_path``s,
+# imports and pickled checkpoints naming the old paths keep working.
+# ``lit_grpo.data`` was the on-policy DataModule's module and is now the
+# ``data`` package, which exports what it did (``lit_grpo.data.OnPolicyDataModule``).
+_MOVED = {
+    "lit_grpo.module": "lit_grpo.algorithms.grpo",
+    "lit_grpo.policy_module": "lit_grpo.algorithms.base",
+    "lit_grpo.dpo": "lit_grpo.algorithms.dpo",
+    "lit_grpo.ppo": "lit_grpo.algorithms.ppo",
+    "lit_grpo.dpo_data": "lit_grpo.data.preferences",
+    "lit_grpo.rollout_round": "lit_grpo.data.rollout_round",
+    "lit_grpo.buffer": "lit_grpo.data.buffer",
+    "lit_grpo.sources": "lit_grpo.data.sources",
+    "lit_grpo.tasks": "lit_grpo.data.tasks",
+    "lit_grpo.word_problems": "lit_grpo.data.word_problems",
+    "lit_grpo.rollout": "lit_grpo.generation.rollout",
+    "lit_grpo.decode_step": "lit_grpo.generation.decode_step",
+    "lit_grpo.merged": "lit_grpo.generation.merged",
+    "lit_grpo.kv_cache": "lit_grpo.generation.kv_cache",
+}
+
+
+class _MovedModules:
+    """Import finder and loader that serve an old module name (a key of :data:`_MOVED`)
+    as the module it moved to: the very same module object, not a copy."""
+
+    def find_spec(self, name, path=None, target=None):
+        return importlib.util.spec_from_loader(name, self) if name in _MOVED else None
+
+    def create_module(self, spec):
+        module = importlib.import_module(_MOVED[spec.name])
+        spec.loader_state = module.__spec__  # the import system is about to overwrite it with ``spec``
+        return module
+
+    def exec_module(self, module) -> None:
+        module.__spec__ = module.__spec__.loader_state  # it ran under its own name already; give back its spec
+
+
+# First in line, so that an old name never finds a stale copy of its module (an older install's file).
+sys.meta_path.insert(0, _MovedModules())
 
 
 def __getattr__(name: str):

@@ -135,7 +135,7 @@ def check_checkpoint(checkpoint: Mapping[str, Any], module) -> None:
 
     Args:
         checkpoint: The loaded checkpoint.
-        module: The :class:`~lit_grpo.policy_module.PolicyModule` resuming from it.
+        module: The :class:`~lit_grpo.algorithms.base.PolicyModule` resuming from it.
 
     Raises:
         ValueError: Policy settings that differ, or trainable weights that are

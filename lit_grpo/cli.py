@@ -36,13 +36,13 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 import lit_grpo
+from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.checkpointing import AtomicCheckpointIO, check_lightning_checkpoint, check_policy
-from lit_grpo.data import OnPolicyDataModule
-from lit_grpo.module import GRPOModule
+from lit_grpo.data.grpo import OnPolicyDataModule
+from lit_grpo.data.sources import check_utf8
 from lit_grpo.multiprocess import (
     end_child_processes, exit_on_signal, is_collective_failure, print_failure, set_collective_timeout,
 )
-from lit_grpo.sources import check_utf8
 
 USER_ERROR_EXIT = 2  # the same code as a command-line parse error
 _PACKAGE = Path(lit_grpo.__file__).parent
@@ -59,7 +59,7 @@ class OneLineErrorParser(LightningArgumentParser):
 
 
 class PolicyCli(LightningCLI):
-    """LightningCLI for a :class:`~lit_grpo.policy_module.PolicyModule`: adds ``--export_adapter``,
+    """LightningCLI for a :class:`~lit_grpo.algorithms.base.PolicyModule`: adds ``--export_adapter``,
     and checks the command line, the checkpoint to resume and the output folders
     before the first rollout."""
 
@@ -336,14 +336,14 @@ def _run(argv: list[str]) -> None:
         eval_main(argv[1:])
         return
     if argv[0] == "ppo":
-        from lit_grpo.ppo import PPOModule
+        from lit_grpo.algorithms.ppo import PPOModule
 
         GRPOCli(PPOModule, OnPolicyDataModule, args=argv[1:], save_config_kwargs={"overwrite": True},
                 parser_kwargs={"prog": "lit-grpo ppo"})
         return
     if argv[0] == "dpo":
-        from lit_grpo.dpo import DPOModule
-        from lit_grpo.dpo_data import PreferenceDataModule
+        from lit_grpo.algorithms.dpo import DPOModule
+        from lit_grpo.data.preferences import PreferenceDataModule
 
         PolicyCli(DPOModule, PreferenceDataModule, args=argv[1:], save_config_kwargs={"overwrite": True},
                   parser_kwargs={"prog": "lit-grpo dpo"})

@@ -25,8 +25,8 @@ import torch
 from lightning.pytorch.cli import LightningCLI
 from tqdm.auto import tqdm
 
-from lit_grpo.data import OnPolicyDataModule
-from lit_grpo.module import GRPOModule
+from lit_grpo.algorithms.grpo import GRPOModule
+from lit_grpo.data.grpo import OnPolicyDataModule
 from lit_grpo.policy import LoraSpec
 
 

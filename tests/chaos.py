@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save as safetensors_bytes
 
 import lit_grpo.checkpointing
-import lit_grpo.rollout
+import lit_grpo.generation.rollout
 
 
 def letter_share(prompts, completions, **columns):
@@ -59,7 +59,7 @@ class Chaos(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.phase == "rollout":
-            sample, draws = lit_grpo.rollout.sample, []
+            sample, draws = lit_grpo.generation.rollout.sample, []
 
             def counting_sample(probs, generator=None):
                 if trainer.current_epoch == self.epoch:
@@ -68,7 +68,7 @@ class Chaos(L.Callback):
                         die()
                 return sample(probs, generator)
 
-            lit_grpo.rollout.sample = counting_sample
+            lit_grpo.generation.rollout.sample = counting_sample
         elif self.phase == "checkpoint":
             save = torch.save
 

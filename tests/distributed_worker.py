@@ -23,10 +23,10 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from lit_grpo.data import OnPolicyDataModule
-from lit_grpo.module import GRPOModule
+from lit_grpo.algorithms.grpo import GRPOModule
+from lit_grpo.data.grpo import OnPolicyDataModule
+from lit_grpo.generation.rollout import SamplingSpec
 from lit_grpo.policy import PolicySpec
-from lit_grpo.rollout import SamplingSpec
 
 
 def text_length(prompts: list[str], completions: list[str], **columns) -> list[float]:

@@ -22,14 +22,14 @@ import pytest
 import torch
 
 from lit_grpo import checkpointing
+from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.checkpointing import AtomicCheckpointIO, atomic_torch_save, check_checkpoint
-from lit_grpo.data import OnPolicyDataModule
+from lit_grpo.data.grpo import OnPolicyDataModule
+from lit_grpo.data.sources import load_rows
 from lit_grpo.generation import GenerationSpec
-from lit_grpo.module import GRPOModule
+from lit_grpo.generation.rollout import SamplingSpec
 from lit_grpo.policy import LoraSpec, PolicySpec, load_tokenizer
 from lit_grpo.rewards import Accuracy, RewardCombiner, RewardFunctionError
-from lit_grpo.rollout import SamplingSpec
-from lit_grpo.sources import load_rows
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +229,7 @@ def _named(name: str, values):
 
 
 def test_all_completions_empty():
-    from lit_grpo.rollout_round import _Group, _warn_if_all_empty
+    from lit_grpo.data.rollout_round import _Group, _warn_if_all_empty
 
     empty = torch.zeros(2, 1)
     group = _Group(empty, empty, empty, empty, empty.bool()[:, 0], empty, empty[:, 0], {}, "p", ["", " "])

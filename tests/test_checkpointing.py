@@ -73,9 +73,9 @@ def test_failed_save_removes_its_temporary_file(tmp_path):
 def test_cli_trainer_is_crash_safe_by_default(tmp_path, tiny_model_dir):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
+    from lit_grpo.algorithms.grpo import GRPOModule
     from lit_grpo.cli import GRPOCli
-    from lit_grpo.data import OnPolicyDataModule
-    from lit_grpo.module import GRPOModule
+    from lit_grpo.data.grpo import OnPolicyDataModule
 
     cli = GRPOCli(GRPOModule, OnPolicyDataModule, run=False, args=[
         f"--model.policy.name_or_path={tiny_model_dir}", f"--trainer.default_root_dir={tmp_path}",

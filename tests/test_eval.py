@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
+from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.evaluate import main, pass_at_k
-from lit_grpo.module import GRPOModule
 from lit_grpo.policy import LoraSpec, PolicySpec
 
 

@@ -12,12 +12,12 @@ import importlib.util
 import pytest
 import torch
 
-from lit_grpo.data import chat_prompts
+from lit_grpo.data.grpo import chat_prompts
 from lit_grpo.generation import GenerationSpec
 from lit_grpo.generation.native import NativeEngine
+from lit_grpo.generation.rollout import SamplingSpec, encode_prompts
 from lit_grpo.logprob_passes import completion_logprobs
 from lit_grpo.objectives import grpo_loss
-from lit_grpo.rollout import SamplingSpec, encode_prompts
 from test_module import make, trainer
 
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_grpo.decode_step import llama_step_applies
+from lit_grpo.generation.decode_step import llama_step_applies
+from lit_grpo.generation.rollout import SamplingSpec, encode_prompts, generate
 from lit_grpo.policy import LoraSpec, PolicySpec, load_tokenizer
 from lit_grpo.random_models import save_random_model
-from lit_grpo.rollout import SamplingSpec, encode_prompts, generate
 
 pytestmark = pytest.mark.gpu
 
@@ -34,8 +34,8 @@ def distinct_characters(prompts, completions, **columns):
 
 
 def grpo(model_dir: str, **policy):
-    from lit_grpo.data import OnPolicyDataModule
-    from lit_grpo.module import GRPOModule
+    from lit_grpo.algorithms.grpo import GRPOModule
+    from lit_grpo.data.grpo import OnPolicyDataModule
 
     module = GRPOModule(policy=PolicySpec(name_or_path=model_dir, dtype="bfloat16", lora=LoraSpec(r=4, alpha=8),
                                           **policy),

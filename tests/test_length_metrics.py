@@ -7,11 +7,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lit_grpo.data import OnPolicyDataModule
-from lit_grpo.module import GRPOModule
+from lit_grpo.algorithms.grpo import GRPOModule
+from lit_grpo.data.grpo import OnPolicyDataModule
+from lit_grpo.generation.rollout import SamplingSpec
 from lit_grpo.policy import PolicySpec
 from lit_grpo.rewards import OverlongPenalty
-from lit_grpo.rollout import SamplingSpec
 
 MAX_NEW_TOKENS = 6
 

@@ -17,9 +17,9 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_grpo import logprob_passes
+from lit_grpo.generation.rollout import encode_prompts
 from lit_grpo.logprob_passes import _full_logits, completion_logprobs
 from lit_grpo.objectives import token_logprobs
-from lit_grpo.rollout import encode_prompts
 
 G = 4
 LENGTHS = [9, 5, 2, 7, 1, 9, 4, 6]  # two prompts x G rows, completions that ended early: several length buckets

@@ -10,11 +10,11 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from lit_grpo.data import OnPolicyDataModule
-from lit_grpo.module import GRPOModule
+from lit_grpo.data.grpo import OnPolicyDataModule
+from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.logprob_passes import completion_logprobs
 from lit_grpo.policy import PolicySpec
-from lit_grpo.rollout import SamplingSpec
+from lit_grpo.generation.rollout import SamplingSpec
 
 
 def length_reward(prompts, completions, **columns):
@@ -88,7 +88,7 @@ def test_reference_logprobs_equal_base_model(tmp_path, tiny_model_dir):
 
 
 def _one_rollout(module, data):
-    from lit_grpo.rollout import generate
+    from lit_grpo.generation.rollout import generate
 
     ids, mask = data.encode(data.train_rows[:2])
     rollout = generate(module.policy, module.tokenizer, ids, mask, data.sampling)

@@ -15,12 +15,12 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.checkpointing import AtomicCheckpointIO
-from lit_grpo.data import OnPolicyDataModule
-from lit_grpo.module import GRPOModule
+from lit_grpo.data.grpo import OnPolicyDataModule
+from lit_grpo.generation.rollout import SamplingSpec
 from lit_grpo.policy import PolicySpec
 from lit_grpo.rewards import Accuracy
-from lit_grpo.rollout import SamplingSpec
 from lit_grpo.training_guard import NonFiniteStepsError
 
 

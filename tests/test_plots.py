@@ -10,13 +10,13 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
+from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.answers import BeforeAfterAnswers
 from lit_grpo.cli import main
-from lit_grpo.data import OnPolicyDataModule
-from lit_grpo.module import GRPOModule
+from lit_grpo.data.grpo import OnPolicyDataModule
+from lit_grpo.generation.rollout import SamplingSpec
 from lit_grpo.plots import BEFORE_TRAINING, PlotCallback, find_metrics, read_metrics
 from lit_grpo.policy import PolicySpec
-from lit_grpo.rollout import SamplingSpec
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -10,13 +10,13 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from lit_grpo.data import OnPolicyDataModule
+from lit_grpo.algorithms.grpo import SCORED_KEYS, GRPOModule
+from lit_grpo.algorithms.ppo import PPOModule
+from lit_grpo.data.grpo import OnPolicyDataModule
+from lit_grpo.generation.rollout import SamplingSpec
 from lit_grpo.logprob_passes import completion_hidden_states
-from lit_grpo.module import SCORED_KEYS, GRPOModule
 from lit_grpo.objectives import gae_advantages, ppo_token_rewards, whiten
 from lit_grpo.policy import LoraSpec, PolicySpec
-from lit_grpo.ppo import PPOModule
-from lit_grpo.rollout import SamplingSpec
 
 
 def constant_reward(prompts, completions, **columns):

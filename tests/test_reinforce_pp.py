@@ -9,11 +9,11 @@ import lightning as L
 import pytest
 import torch
 
-from lit_grpo.data import OnPolicyDataModule
-from lit_grpo.module import GRPOModule
+from lit_grpo.algorithms.grpo import GRPOModule
+from lit_grpo.data.grpo import OnPolicyDataModule
+from lit_grpo.generation.rollout import SamplingSpec
 from lit_grpo.objectives import grpo_loss, reinforce_pp_advantages
 from lit_grpo.policy import PolicySpec
-from lit_grpo.rollout import SamplingSpec
 
 
 # ------------------------------------------------------------------ grpo_loss on [N, T] advantages

@@ -9,11 +9,11 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from lit_grpo.kv_cache import with_cache
-from lit_grpo.merged import MergedPolicy, can_merge
+from lit_grpo.generation.kv_cache import with_cache
+from lit_grpo.generation.merged import MergedPolicy, can_merge
 from lit_grpo.objectives import token_entropy, token_logprobs
 from lit_grpo.logprob_passes import _full_logits, _fusable_head, completion_logprobs, length_buckets
-from lit_grpo.rollout import SAMPLE_BLOCK, SamplingSpec, encode_prompts, generate, sample
+from lit_grpo.generation.rollout import SAMPLE_BLOCK, SamplingSpec, encode_prompts, generate, sample
 
 
 @pytest.fixture()

@@ -20,10 +20,10 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from lit_grpo import word_problems as wp
-from lit_grpo.data import OnPolicyDataModule
+from lit_grpo.data import word_problems as wp
+from lit_grpo.data.grpo import OnPolicyDataModule
+from lit_grpo.data.tasks import TASKS
 from lit_grpo.rewards import Accuracy
-from lit_grpo.tasks import TASKS
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 KNOBS = [

@@ -23,13 +23,13 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import load_file
 
-from lit_grpo.data import OnPolicyDataModule, chat_prompts
+from lit_grpo.algorithms.grpo import GRPOModule
+from lit_grpo.data.grpo import OnPolicyDataModule, chat_prompts
 from lit_grpo.generation import GenerationSpec
 from lit_grpo.generation.native import NativeEngine
+from lit_grpo.generation.rollout import SamplingSpec, encode_prompts
 from lit_grpo.logprob_passes import completion_logprobs
-from lit_grpo.module import GRPOModule
 from lit_grpo.policy import LoraSpec, PolicySpec
-from lit_grpo.rollout import SamplingSpec, encode_prompts
 from test_chaos import fit_command, run
 from test_module import length_reward
 

@@ -3,15 +3,15 @@
 The DataModule's rollout round and validation ask the module's engine for
 completions; the engine is chosen in YAML (``model.generation.backend``):
 
-* ``native`` (default): our KV-cache decode loop (:func:`lit_grpo.rollout.generate`)
+* ``native`` (default): our KV-cache decode loop (:func:`lit_grpo.generation.rollout.generate`)
   on the policy itself, or on a merged copy of its weights
-  (:mod:`lit_grpo.merged`). Fast on CPUs for short completions.
+  (:mod:`lit_grpo.generation.merged`). Fast on CPUs for short completions.
 * ``vllm``: a vLLM engine colocated in the training process, one per rank
   (:mod:`lit_grpo.generation.vllm`), holding its own copy of the merged
   weights, refreshed after every optimizer step. What the field samples
   with on GPUs (paged attention, continuous batching, prefix caching).
 
-Both return a :class:`~lit_grpo.rollout.Rollout` with the sampler's own
+Both return a :class:`~lit_grpo.generation.rollout.Rollout` with the sampler's own
 log-probability of every sampled token, so the training step can measure how
 far the sampler's distribution is from the trainer's and, if asked, correct
 for it (:attr:`GenerationSpec.importance_sampling_cap`).
@@ -30,7 +30,7 @@ from lit_grpo.policy import DTYPES
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from lit_grpo.rollout import Rollout, SamplingSpec
+    from lit_grpo.generation.rollout import Rollout, SamplingSpec
 
 BACKENDS = ("native", "vllm")
 
@@ -49,7 +49,7 @@ class GenerationSpec:
             here is an off-policy gap, measured as ``sampler/*`` metrics.
         merge: Native engine: decode on the LoRA adapter folded into the
             weights (materialised per rollout, freed after; see
-            :mod:`lit_grpo.merged`), which skips the adapter's extra work at
+            :mod:`lit_grpo.generation.merged`), which skips the adapter's extra work at
             every token. QLoRA and FSDP2-sharded policies always decode
             through the adapter. Needed for a ``dtype`` other than the policy's.
         kv_cache_gb: vLLM: memory reserved for its KV cache, in GiB (on a CPU

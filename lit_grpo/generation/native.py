@@ -8,13 +8,13 @@ from collections.abc import Iterator
 from torch import Tensor, nn
 
 from lit_grpo.distributed import gathered
-from lit_grpo.merged import MergedPolicy, can_merge
+from lit_grpo.generation.merged import MergedPolicy, can_merge
+from lit_grpo.generation.rollout import Rollout, SamplingSpec, generate
 from lit_grpo.policy import DTYPES
-from lit_grpo.rollout import Rollout, SamplingSpec, generate
 
 
 class NativeEngine:
-    """Samples with :func:`lit_grpo.rollout.generate` (see :mod:`lit_grpo.generation`).
+    """Samples with :func:`lit_grpo.generation.rollout.generate` (see :mod:`lit_grpo.generation`).
 
     It reads the live policy at every call, so there is nothing to push after
     an optimizer step: with ``merge`` the merged copy is rebuilt per rollout.

@@ -9,7 +9,7 @@ How it works with training:
   what trains, whatever the checkpoint on disk holds.
 * **Weights after every optimizer step**, pushed before the next sampling
   call without restarting the engine: the LoRA adapter is folded into the
-  weights (:func:`lit_grpo.merged.merged_weights`; FSDP2 shards are gathered
+  weights (:func:`lit_grpo.generation.merged.merged_weights`; FSDP2 shards are gathered
   first) and vLLM reloads the adapted layers in place
   (``reload_weights(..., is_checkpoint_format=True)``, which repacks them for
   its kernels), then its prefix cache is cleared. Only the adapted layers
@@ -44,9 +44,9 @@ import torch
 from torch import Tensor
 
 from lit_grpo.distributed import gathered
-from lit_grpo.merged import merged_weights, trained_weight_names
+from lit_grpo.generation.merged import merged_weights, trained_weight_names
+from lit_grpo.generation.rollout import Rollout, SamplingSpec, completion_mask, eos_ids
 from lit_grpo.policy import EMBEDDED, embedded_model_dir
-from lit_grpo.rollout import Rollout, SamplingSpec, completion_mask, eos_ids
 
 class VLLMEngine:
     """Samples with a colocated vLLM engine (see the module docstring).

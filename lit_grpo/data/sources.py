@@ -11,7 +11,7 @@ import codecs
 import warnings
 from pathlib import Path
 
-from lit_grpo.tasks import TASKS
+from lit_grpo.data.tasks import TASKS
 
 _LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 _TEXT_FORMATS = {".json", ".jsonl", ".csv"}

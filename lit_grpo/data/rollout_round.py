@@ -20,9 +20,9 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
+from lit_grpo.generation.rollout import Rollout
 from lit_grpo.objectives import (gae_advantages, group_advantages, ppo_token_rewards, reinforce_pp_advantages,
                                  rloo_advantages, whiten)
-from lit_grpo.rollout import Rollout
 
 
 # Rollout statistics whose value over all ranks is their maximum (the rest are means).

@@ -32,8 +32,8 @@ from lit_grpo.objectives.grpo import CLIP_METRICS, IMPORTANCE_LEVELS, LOSS_TYPES
 from lit_grpo.logprob_passes import completion_logprobs
 from lit_grpo.generation import Engine, GenerationSpec, build_engine
 from lit_grpo.policy import PolicySpec
-from lit_grpo.policy_module import PolicyModule
-from lit_grpo.rollout_round import MAX_STATS
+from lit_grpo.algorithms.base import PolicyModule
+from lit_grpo.data.rollout_round import MAX_STATS
 
 # Loss types normalised by a count taken over the whole optimizer step on all
 # ranks; Lightning averages micro-batches and DDP averages ranks, so these

@@ -202,8 +202,8 @@ def _decode(model, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, pad, 
     cache is computed once and repeated."""
     from transformers import DynamicCache
 
-    from lit_grpo.decode_step import LlamaStep, ModelStep, llama_step_applies
-    from lit_grpo.kv_cache import with_cache
+    from lit_grpo.generation.decode_step import LlamaStep, ModelStep, llama_step_applies
+    from lit_grpo.generation.kv_cache import with_cache
 
     n = prompt_ids.shape[0] * repeat
     tokens = torch.full((n, sampling.max_new_tokens), pad, dtype=torch.long, device=prompt_ids.device)

@@ -1,6 +1,6 @@
 """PreferenceDataModule: prompt / chosen / rejected pairs, tokenized for DPO.
 
-Rows come from the same sources as GRPO prompts (:func:`lit_grpo.sources.load_rows`:
+Rows come from the same sources as GRPO prompts (:func:`lit_grpo.data.sources.load_rows`:
 a built-in task such as ``arithmetic_preferences``, a local file, or a hub
 dataset) through a column map. Prompts get the tokenizer's chat template,
 exactly as GRPO's do; ``chosen`` and ``rejected`` are the assistant's reply
@@ -22,9 +22,9 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from lit_grpo.data import chat_prompts
-from lit_grpo.rollout import encode_prompts
-from lit_grpo.sources import load_rows, rename_columns
+from lit_grpo.data.grpo import chat_prompts
+from lit_grpo.data.sources import load_rows, rename_columns
+from lit_grpo.generation.rollout import encode_prompts
 
 _PAIR_COLUMNS = ("prompt", "chosen", "rejected")
 

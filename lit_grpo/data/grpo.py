@@ -26,12 +26,12 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from lit_grpo.buffer import OnDemand, RolloutBuffer
+from lit_grpo.data.buffer import OnDemand, RolloutBuffer
 from lit_grpo.rewards import Accuracy, Format, Reward, RewardCombiner
-from lit_grpo.rollout import SamplingSpec, encode_prompts
+from lit_grpo.generation.rollout import SamplingSpec, encode_prompts
 from lit_grpo.distributed import gather_to_rank_zero
-from lit_grpo.rollout_round import ESTIMATORS, RolloutResult, collect_rollout
-from lit_grpo.sources import load_rows, rename_columns
+from lit_grpo.data.rollout_round import ESTIMATORS, RolloutResult, collect_rollout
+from lit_grpo.data.sources import load_rows, rename_columns
 
 
 class OnPolicyDataModule(L.LightningDataModule):

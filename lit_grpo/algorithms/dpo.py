@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from lit_grpo.objectives import LossOutput, dpo_loss, sequence_logps
 from lit_grpo.logprob_passes import completion_logprobs
 from lit_grpo.policy import PolicySpec
-from lit_grpo.policy_module import PolicyModule
+from lit_grpo.algorithms.base import PolicyModule
 
 
 class DPOModule(PolicyModule):

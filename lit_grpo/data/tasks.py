@@ -7,7 +7,7 @@ the worked answer ("47 + 38 = 85") chosen and a plausible slip rejected.
 ``+ - * /``; the ``countdown`` reward checks the expression with a safe
 evaluator. Each row also carries one valid solution as ``answer``.
 ``word_problems``: GSM8K-style multi-step word problems with a ``#### N``
-answer (:mod:`lit_grpo.word_problems`).
+answer (:mod:`lit_grpo.data.word_problems`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from typing import Callable
 
-from lit_grpo.word_problems import word_problems
+from lit_grpo.data.word_problems import word_problems
 
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 

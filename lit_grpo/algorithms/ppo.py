@@ -25,7 +25,7 @@ Departures from the papers, on purpose:
   separate model (InstructGPT initialises a separate critic from the reward
   model; set ``critic`` for a separate one).
 * With the shared critic, rollouts decode through the adapter, never through
-  the merged view (:mod:`lit_grpo.merged` folds a single adapter).
+  the merged view (:mod:`lit_grpo.generation.merged` folds a single adapter).
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lit_grpo.algorithms.grpo import SCORED_KEYS, GRPOModule
 from lit_grpo.distributed import shard
 from lit_grpo.generation import GenerationSpec
 from lit_grpo.logprob_passes import completion_hidden_states, completion_logprobs
-from lit_grpo.module import SCORED_KEYS, GRPOModule
 from lit_grpo.objectives import ppo_loss
 from lit_grpo.objectives.grpo import CLIP_METRICS
 from lit_grpo.objectives.ppo import VALUE_METRICS
