@@ -80,7 +80,7 @@ def sampling_part(shapes: list[tuple[int, int, int]], repeats: int, vllm: bool) 
         ids, mask = encode_prompts(tokenizer, texts, None)
         for module in modules.values():  # warm-up: vLLM starts and receives the weights here
             torch.manual_seed(0)
-            module.engine.generate(ids, mask, SamplingSpec(group_size=1, max_new_tokens=4))
+            module.engine.generate(ids, mask, SamplingSpec(group_size=1, max_new_tokens=new_tokens))
         results: dict[str, list[tuple[int, float]]] = {name: [] for name in [*modules, "hf generate fp32"]}
         for repeat in range(repeats):
             for name, module in modules.items():

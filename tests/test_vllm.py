@@ -127,6 +127,9 @@ def test_engine_start_leaves_rng_and_threads_alone(model_dir):
     torch.set_num_threads(1)
     assert torch.get_num_threads() == 1  # vLLM's CPU worker had made this a no-op
     torch.set_num_threads(threads)
+    with pytest.raises(ValueError, match=r"needs \d+ tokens, more than the vLLM engine's context of \d+; raise "
+                                         r"model.generation.max_model_len"):
+        module.engine.generate(ids, mask, SamplingSpec(max_new_tokens=10_000), greedy=True)
     module.engine.close()
 
 

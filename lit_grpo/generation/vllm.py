@@ -66,6 +66,7 @@ class VLLMEngine:
         check_policy(module.spec)
         self.spec, self.module = spec, module
         self.llm = None  # started at the first call, when the longest sequence is known
+        self.max_len = 0  # the engine's context length (prompt + completion), set at its start
         self.pushed: set[str] | None = None  # names pushed after the first (full) push
         self.stale = True  # the engine's weights are behind the policy's
         self.push_seconds = 0.0  # spent pushing weights, over the engine's life
@@ -77,8 +78,13 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         repeat = repeat or (1 if greedy else sampling.group_size)
+        longest = prompt_ids.shape[1] + sampling.max_new_tokens
         if self.llm is None:
-            self._start(prompt_ids.shape[1] + sampling.max_new_tokens)
+            self._start(longest)
+        if longest > self.max_len:  # vLLM would silently stop every completion at its context length
+            raise ValueError(f"a prompt of {prompt_ids.shape[1]} tokens + sampling.max_new_tokens="
+                             f"{sampling.max_new_tokens} needs {longest} tokens, more than the vLLM engine's "
+                             f"context of {self.max_len}; raise model.generation.max_model_len.")
         if self.stale:
             self.push_weights()
         tokenizer = self.module.tokenizer
@@ -148,7 +154,7 @@ class VLLMEngine:
         from vllm import LLM
 
         module = self.module
-        max_len = self.spec.max_model_len or max(longest, _planned_length(module))
+        self.max_len = self.spec.max_model_len or max(longest, _planned_length(module))
         self._on_cpu = module.device.type == "cpu"
         if _distributed():  # vLLM's external launcher reads the rank from the environment
             os.environ.setdefault("RANK", str(torch.distributed.get_rank()))
@@ -163,7 +169,7 @@ class VLLMEngine:
                 enforce_eager=True,
                 enable_prefix_caching=True,
                 kv_cache_memory_bytes=int(self.spec.kv_cache_gb * 2**30),
-                max_model_len=max_len,
+                max_model_len=self.max_len,
                 logprobs_mode="processed_logprobs",
                 disable_log_stats=True,
                 # Under DDP/FSDP each rank's engine joins the process group the trainer
