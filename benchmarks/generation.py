@@ -16,6 +16,7 @@ hardware with bf16 matrix units; part 1 shows what it does here).
 
     python benchmarks/generation.py --part sampling --shapes 4x8x64 8x8x256 --repeats 2
     python benchmarks/generation.py --part step --shapes 1x8x256 8x8x256
+    python benchmarks/generation.py --part sampling --shapes 8x8x256 --engines "native fp32" "vllm fp32"
 
 vLLM needs the extra (README, "Sampling with vLLM"); without it its rows are
 left out. Run it alone on the machine.
@@ -41,12 +42,12 @@ from lit_grpo.rewards import Accuracy
 SYSTEM = "Think step by step, then give the final number after ####."
 
 
-def engines(vllm: bool) -> dict[str, GenerationSpec]:
+def engines(vllm: bool, chosen: list[str] | None = None) -> dict[str, GenerationSpec]:
     variants = {"native fp32": GenerationSpec(), "native bf16": GenerationSpec(dtype="bfloat16")}
     if vllm:
         variants.update({"vllm fp32": GenerationSpec(backend="vllm"),
                          "vllm bf16": GenerationSpec(backend="vllm", dtype="bfloat16")})
-    return variants
+    return {name: spec for name, spec in variants.items() if not chosen or name in chosen}
 
 
 def module_with(spec: GenerationSpec) -> GRPOModule:
@@ -69,26 +70,30 @@ def hf_generate(module, ids, mask, sampling):
     return int((completion != module.tokenizer.pad_token_id).sum() + ended.sum()), seconds
 
 
-def sampling_part(shapes: list[tuple[int, int, int]], repeats: int, vllm: bool) -> None:
+def sampling_part(shapes: list[tuple[int, int, int]], repeats: int, vllm: bool, chosen: list[str]) -> None:
     print("| prompts x G x max tokens | engine | tokens/s | rollout s | mean length |")
     print("|---|---|---|---|---|")
     for prompts, group, new_tokens in shapes:
         sampling = SamplingSpec(group_size=group, max_new_tokens=new_tokens, temperature=0.8)
-        modules = {name: module_with(spec) for name, spec in engines(vllm).items()}
+        modules = {name: module_with(spec) for name, spec in engines(vllm, chosen).items()}
+        compare_hf = not chosen or "hf generate fp32" in chosen
         tokenizer = next(iter(modules.values())).tokenizer
         texts = chat_prompts(tokenizer, [r["prompt"] for r in word_problems(prompts, seed=1)], SYSTEM, "{prompt}")
         ids, mask = encode_prompts(tokenizer, texts, None)
         for module in modules.values():  # warm-up: vLLM starts and receives the weights here
             torch.manual_seed(0)
             module.engine.generate(ids, mask, SamplingSpec(group_size=1, max_new_tokens=new_tokens))
-        results: dict[str, list[tuple[int, float]]] = {name: [] for name in [*modules, "hf generate fp32"]}
+        results: dict[str, list[tuple[int, float]]] = {name: [] for name in modules}
+        if compare_hf:
+            results["hf generate fp32"] = []
         for repeat in range(repeats):
             for name, module in modules.items():
                 torch.manual_seed(repeat)
                 rollout = module.engine.generate(ids, mask, sampling)
                 results[name].append((int(rollout.lengths.sum()), rollout.seconds))
-            torch.manual_seed(repeat)
-            results["hf generate fp32"].append(hf_generate(modules["native fp32"], ids, mask, sampling))
+            if compare_hf:
+                torch.manual_seed(repeat)
+                results["hf generate fp32"].append(hf_generate(next(iter(modules.values())), ids, mask, sampling))
         for name, runs in results.items():
             rate = statistics.median(tokens / seconds for tokens, seconds in runs)
             seconds = statistics.median(s for _, s in runs)
@@ -120,13 +125,13 @@ class EpochClock:
         self.callback = Clock()
 
 
-def step_part(shapes: list[tuple[int, int, int]], vllm: bool) -> None:
+def step_part(shapes: list[tuple[int, int, int]], vllm: bool, chosen: list[str]) -> None:
     import lightning as L
 
     print("| prompts x G x max tokens | engine | rollout s | rest of the step s | step s |")
     print("|---|---|---|---|---|")
     for prompts, group, new_tokens in shapes:
-        for name, spec in engines(vllm).items():
+        for name, spec in engines(vllm, chosen).items():
             if name.endswith("bf16"):  # bf16 matmuls only pay on hardware with bf16 units (part 1 shows it)
                 continue
             module = GRPOModule(policy=PolicySpec(dtype="float32", lora=LoraSpec()), generation=spec, progress=False,
@@ -152,13 +157,16 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["4x8x64", "8x8x256"],
                         help="prompts x group size x max new tokens")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--engines", nargs="*", default=[],
+                        help="a subset of: native fp32, native bf16, vllm fp32, vllm bf16, hf generate fp32 "
+                             "(default: all)")
     args = parser.parse_args()
     shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes]
     vllm = importlib.util.find_spec("vllm") is not None
     if args.part == "sampling":
-        sampling_part(shapes, args.repeats, vllm)
+        sampling_part(shapes, args.repeats, vllm, args.engines)
     else:
-        step_part(shapes, vllm)
+        step_part(shapes, vllm, args.engines)
 
 
 if __name__ == "__main__":

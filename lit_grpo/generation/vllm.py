@@ -17,10 +17,11 @@ How it works with training:
 * **Bounded memory**: the KV cache gets ``generation.kv_cache_gb`` (vLLM would
   otherwise reserve 90% of the device, which on a CPU is the RAM). Prefix
   caching is on, so a group's prompt is prefilled once for its G samples.
-* **Reproducible**: every prompt's request carries a seed drawn from torch's
-  global generator, which the DataModule seeds from ``(seed, epoch, rank)``;
-  the G samples of a prompt use ``seed + i``. A resumed run regenerates
-  exactly what the uninterrupted one did.
+* **Reproducible**: each sampling call draws one seed from torch's global
+  generator, which the DataModule seeds from ``(seed, epoch, rank)``, and
+  vLLM samples from the global generator re-seeded with it (then restored).
+  The engine's scheduling is deterministic for the same requests, so a
+  resumed run regenerates exactly what the uninterrupted one did.
 * **Side effects contained**: starting vLLM re-seeds the global RNGs and, on
   CPUs, replaces ``torch.set_num_threads`` with a no-op; both are put back.
 * **Log-probs**: vLLM returns each sampled token's log-prob under the
@@ -91,15 +92,19 @@ class VLLMEngine:
         eos = [] if sampling.ignore_eos else eos_ids(tokenizer, self.module.policy)
         prompts = [TokensPrompt(prompt_token_ids=row[mask.bool()].tolist())
                    for row, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
-        # Greedy decoding draws nothing; sampling draws one seed per prompt from the caller's seeded RNG.
-        seeds = [None] * len(prompts) if greedy else torch.randint(0, 2**31 - 1 - repeat, (len(prompts),)).tolist()
-        params = [SamplingParams(
-            n=repeat, seed=seed, max_tokens=sampling.max_new_tokens, temperature=0.0 if greedy else sampling.temperature,
+        # Greedy decoding draws nothing; sampling draws one seed per call from the caller's seeded RNG.
+        # vLLM samples from torch's global generator when requests carry no seed of their own (and on
+        # CPUs a per-request seed fails once a long prefill is split across steps).
+        seed = None if greedy else int(torch.randint(0, 2**62, ()))
+        params = SamplingParams(
+            n=repeat, max_tokens=sampling.max_new_tokens, temperature=0.0 if greedy else sampling.temperature,
             top_p=1.0 if greedy else sampling.top_p, top_k=0 if greedy else sampling.top_k,
             stop_token_ids=eos, ignore_eos=sampling.ignore_eos, logprobs=None if greedy else 0, detokenize=False,
-        ) for seed in seeds]
+        )
         start = time.perf_counter()
-        with _contained():
+        with _contained():  # the caller's RNG state is back afterwards, advanced by the one draw above
+            if seed is not None:
+                torch.manual_seed(seed)
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
         if progress is not None:
