@@ -20,6 +20,7 @@ greedy completions equal lit_grpo's native engine on the same weights, over
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -70,6 +71,9 @@ def sample_lora(llm, module, ids, mask, sampling, greedy, lora):
 
 
 def main() -> None:
+    # Both engines in this process: a second engine started before the first would otherwise spawn
+    # worker processes that outlive a killed run.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm.lora.request import LoRARequest
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
