@@ -187,13 +187,31 @@ def generate(
         if progress is not None:
             progress.close()
     seconds = time.perf_counter() - start
-    prompt_ids = prompt_ids.repeat_interleave(repeat, 0)  # [N, P]
-    prompt_mask = prompt_mask.repeat_interleave(repeat, 0)  # [N, P]
-    mask, truncated = completion_mask(completion_ids, eos.tolist())
+    return finish_rollout(tokenizer, prompt_ids, prompt_mask, repeat, completion_ids, None if greedy else logprobs,
+                          eos.tolist(), seconds)
+
+
+def finish_rollout(tokenizer, prompt_ids: Tensor, prompt_mask: Tensor, repeat: int, completion_ids: Tensor,
+                   logprobs: Tensor | None, eos: list[int], seconds: float) -> Rollout:
+    """A :class:`Rollout` from an engine's raw tokens (what every engine ends with).
+
+    Args:
+        tokenizer: Decodes the completions.
+        prompt_ids: ``[B, P]`` left-padded prompts, each completed ``repeat`` times.
+        prompt_mask: ``[B, P]`` their attention mask.
+        repeat: Completions per prompt (rows of one prompt contiguous).
+        completion_ids: ``[B * repeat, C]`` sampled tokens; what follows a row's first EOS is ignored.
+        logprobs: ``[B * repeat, C]`` the sampler's log-probs of those tokens, or ``None`` (greedy).
+        eos: Token ids that end a completion (empty: none does).
+        seconds: How long the engine took.
+    """
+    mask, truncated = completion_mask(completion_ids, eos)
     completion_ids = completion_ids.masked_fill(mask == 0, tokenizer.pad_token_id)
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    logprobs = None if greedy else logprobs.masked_fill(mask == 0, 0.0).cpu()
-    return Rollout(prompt_ids, prompt_mask, completion_ids, mask, truncated, texts, seconds, logprobs)
+    if logprobs is not None:
+        logprobs = logprobs.masked_fill(mask == 0, 0.0).cpu()
+    return Rollout(prompt_ids.repeat_interleave(repeat, 0), prompt_mask.repeat_interleave(repeat, 0),
+                   completion_ids, mask, truncated, texts, seconds, logprobs)
 
 
 def _decode(model, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, pad, generator,

@@ -46,7 +46,7 @@ from torch import Tensor
 
 from lit_grpo.distributed import gathered
 from lit_grpo.generation.merged import merged_weights, trained_weight_names
-from lit_grpo.generation.rollout import Rollout, SamplingSpec, completion_mask, eos_ids
+from lit_grpo.generation.rollout import Rollout, SamplingSpec, eos_ids, finish_rollout
 from lit_grpo.policy import EMBEDDED, embedded_model_dir
 
 class VLLMEngine:
@@ -123,12 +123,8 @@ class VLLMEngine:
             completion_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
             if not greedy:
                 logprobs[i, : len(ids)] = torch.tensor([step[token].logprob for step, token in zip(sample.logprobs, ids)])
-        mask, truncated = completion_mask(completion_ids, eos)
-        completion_ids = completion_ids.masked_fill(mask == 0, tokenizer.pad_token_id)
-        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        return Rollout(prompt_ids.cpu().repeat_interleave(repeat, 0), prompt_mask.cpu().repeat_interleave(repeat, 0),
-                       completion_ids, mask, truncated, texts, seconds,
-                       None if greedy else logprobs.masked_fill(mask == 0, 0.0))
+        return finish_rollout(tokenizer, prompt_ids.cpu(), prompt_mask.cpu(), repeat, completion_ids,
+                              None if greedy else logprobs, eos, seconds)
 
     # ------------------------------------------------------------- weights
     def weights_changed(self) -> None:
