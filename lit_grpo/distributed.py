@@ -27,13 +27,14 @@ on every rank and needs no sync at read time.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Literal
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -65,6 +66,15 @@ def shard(model: nn.Module, mesh: DeviceMesh) -> None:
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+
+
+def full_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Each named tensor whole and on the CPU, FSDP2 shards gathered first.
+
+    A collective when any tensor is sharded: every rank must call it with the
+    same names in the same order.
+    """
+    return {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu() for name, t in named}
 
 
 @contextlib.contextmanager

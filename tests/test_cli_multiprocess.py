@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.distributed
@@ -46,9 +47,9 @@ def cli_args(tiny: str, root: Path, *extra: str) -> list[str]:
     ]
 
 
-def start(args: list[str]) -> subprocess.Popen:
+def start(args: list[str], command: tuple[str, ...] = ("fit",)) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.Popen([shutil.which("lit-grpo"), "fit", *args], cwd=ROOT, env=env, text=True,
+    return subprocess.Popen([shutil.which("lit-grpo"), *command, *args], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -115,6 +116,46 @@ def test_fsdp2_cli_run_with_the_shipped_config(tiny_model_dir, tmp_path):
     assert code == 0, output[-6000:]
     assert_outputs(tmp_path, output)
     assert list((tmp_path / "checkpoints" / "last.ckpt").glob("*.distcp"))  # sharded, as FSDP2 saves
+
+
+def test_ppo_under_fsdp2_keeps_ranks_equal_and_resumes_from_its_sharded_checkpoint(tiny_model_dir, tmp_path):
+    # PPO's shared critic (a second adapter) and value head next to the actor, sharded by FSDP2:
+    # every trainable weight, the head's included, must get the same update on every rank.
+    def run(root: Path, epochs: int, *extra: str) -> str:
+        root.mkdir()
+        code, output = finish(start([
+            "--config", "configs/ppo_quickstart.yaml", "--trainer.strategy.class_path", "ModelParallelStrategy",
+            *cli_args(tiny_model_dir, root, "--trainer.logger.init_args.save_dir", str(root),
+                      "--data.prompts_per_epoch", "4", "--data.batch_size", "4", "--trainer.max_epochs", str(epochs),
+                      "--trainer.callbacks+=rank_state.SaveRankState", "--trainer.callbacks.folder", str(root),
+                      *extra),
+        ], command=("ppo", "fit")))
+        assert code == 0, output[-6000:]
+        return output
+
+    first = tmp_path / "first"
+    output = run(first, 2)
+    run_dir = next((first / "lightning_logs").iterdir())
+    rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
+    assert {row["epoch"] for row in rows if row.get("train/value_loss")} >= {"0", "1"}
+    assert "adapter written to" in output
+    assert list((first / "checkpoints" / "last.ckpt").glob("*.distcp"))  # sharded, as FSDP2 saves
+    ranks = [torch.load(first / f"end-rank{r}.pt") for r in (0, 1)]
+    assert "value_head.weight" in ranks[0]
+    for name, tensor in ranks[0].items():
+        assert torch.equal(tensor, ranks[1][name]), name
+    for adapter in ("default", "critic"):  # both adapters trained (lora_B starts at zero)
+        assert any(t.abs().max() > 0 for n, t in ranks[0].items() if f"lora_B.{adapter}" in n), adapter
+    head = load_file(first / "adapter" / "critic" / "value_head.safetensors")
+    assert torch.equal(head["weight"], ranks[0]["value_head.weight"])  # the whole head, gathered
+    # Resumed from the sharded checkpoint, the run starts from exactly the weights the first one ended with.
+    resumed = tmp_path / "resumed"
+    assert "epoch 2:" in run(resumed, 3, "--ckpt_path", str(first / "checkpoints" / "last.ckpt"))
+    for rank in (0, 1):
+        start_state = torch.load(resumed / f"start-rank{rank}.pt")
+        assert start_state.keys() == ranks[0].keys()
+        for name, tensor in ranks[0].items():
+            assert torch.equal(start_state[name], tensor), (rank, name)
 
 
 def stalled_run(tiny: str, root: Path, *extra: str) -> subprocess.Popen:

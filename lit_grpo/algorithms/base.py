@@ -21,10 +21,9 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from torch.distributed.tensor import DTensor
 
 from lit_grpo.checkpointing import check_checkpoint
-from lit_grpo.distributed import reduce_across_ranks, shard
+from lit_grpo.distributed import full_tensors, reduce_across_ranks, shard
 from lit_grpo.policy import PolicySpec, build_policy, load_tokenizer
 from lit_grpo.strategies import check_strategy
 from lit_grpo.training_guard import NonFiniteGuard
@@ -182,8 +181,7 @@ class PolicyModule(L.LightningModule):
         path = Path(path)
         state = None
         if self.device_mesh is not None:
-            state = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
-                     for name, p in self.policy.named_parameters() if p.requires_grad}
+            state = full_tensors((name, p) for name, p in self.policy.named_parameters() if p.requires_grad)
         if self.global_rank == 0:
             self.policy.save_pretrained(path, state_dict=state)
             self.tokenizer.save_pretrained(path)

@@ -42,10 +42,10 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from lit_grpo.algorithms.grpo import SCORED_KEYS, GRPOModule
-from lit_grpo.distributed import shard
+from lit_grpo.distributed import full_tensors, shard
 from lit_grpo.generation import GenerationSpec
 from lit_grpo.logprob_passes import completion_hidden_states, completion_logprobs
 from lit_grpo.objectives import ppo_loss
@@ -164,22 +164,26 @@ class PPOModule(GRPOModule):
         if self.policy is None:
             self.policy, self.reference = build_policy(self.spec, need_reference=self.needs_reference)
             if self.critic_spec is None:
-                self._add_critic_adapter()
+                self.policy.add_adapter(CRITIC, copy.deepcopy(self.policy.peft_config[ACTOR]))
+                self.policy.set_adapter(ACTOR)
                 critic = self.policy
             else:
                 self.critic_model, _ = build_policy(self.critic_spec, need_reference=False)
                 critic = self.critic_model
             self.value_head = nn.Linear(critic.config.hidden_size, 1, device=next(critic.parameters()).device)
         super().configure_model()
-        if self.device_mesh is not None and self.critic_model is not None:
-            shard(self.critic_model, self.device_mesh)
-
-    def _add_critic_adapter(self) -> None:
-        self.policy.add_adapter(CRITIC, copy.deepcopy(self.policy.peft_config[ACTOR]))
-        self.policy.set_adapter(ACTOR)
-        self._trainable = [p for name, p in self.policy.named_parameters() if "lora_" in name]
-        for p in self._trainable:
-            p.requires_grad_(True)  # peft leaves only the active adapter trainable; both train here
+        if self.device_mesh is not None:
+            if self.critic_model is not None:
+                shard(self.critic_model, self.device_mesh)
+            if not isinstance(self.value_head, FSDPModule):
+                # Its own FSDP2 unit, so that its gradients are reduced across ranks like every
+                # other trainable weight's (ModelParallelStrategy reduces only what FSDP2 shards).
+                fully_shard(self.value_head, mesh=self.device_mesh)
+        if self.critic_spec is None:
+            # Both adapters train; collected after sharding, since FSDP2 swaps in parameters of its own.
+            self._trainable = [p for name, p in self.policy.named_parameters() if "lora_" in name]
+            for p in self._trainable:
+                p.requires_grad_(True)  # peft leaves only the active adapter trainable
 
     @contextlib.contextmanager
     def _adapters_kept_trainable(self) -> Iterator[None]:
@@ -243,14 +247,13 @@ class PPOModule(GRPOModule):
         folder = path / CRITIC
         state = None
         if self.critic_model is not None and self.device_mesh is not None:
-            state = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
-                     for name, p in self.critic_model.named_parameters() if p.requires_grad}
+            state = full_tensors((name, p) for name, p in self.critic_model.named_parameters() if p.requires_grad)
+        head = full_tensors(self.value_head.state_dict().items())
         if self.global_rank == 0:
             if self.critic_model is not None:
                 self.critic_model.save_pretrained(folder, state_dict=state)
             folder.mkdir(parents=True, exist_ok=True)
-            save_file({k: v.detach().cpu().contiguous() for k, v in self.value_head.state_dict().items()},
-                      folder / VALUE_HEAD_FILE)
+            save_file({k: v.contiguous() for k, v in head.items()}, folder / VALUE_HEAD_FILE)
         return path
 
     # --------------------------------------------------------------- training
