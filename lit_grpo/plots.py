@@ -51,6 +51,7 @@ PANELS: dict[str, Panel] = {
     "train/kl": Panel("KL to the reference", ("train/kl",)),
     "train/entropy": Panel("entropy (nats/token)", ("train/entropy",)),
     "completion/length": Panel("completion length (tokens)", ("completion/length_mean",)),
+    "rollout/truncated_fraction": Panel("completions cut at max_new_tokens", ("rollout/truncated_fraction",)),
     "rollout/collapsed_fraction": Panel("groups with equal rewards", ("rollout/collapsed_fraction",)),
     "train/loss": Panel("loss", ("train/loss_epoch",)),
     "time": Panel("seconds per epoch", ("time/*",)),
