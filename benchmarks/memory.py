@@ -265,13 +265,13 @@ def run_length(system: str, model: str, length: int, checkpointing: bool, steps:
     return {"peak_mib": _peak_mib(gpu), "step_s": statistics.median(seconds[1:] or seconds), "gpu": gpu}
 
 
-def length_table(lengths: list[int], steps: int, model: str) -> None:
-    """Print the length table, each row from a fresh process."""
+def length_table(lengths: list[int], steps: int, model: str, systems: list[str]) -> None:
+    """Print the length table (the rows of ``systems``), each row from a fresh process."""
     from importlib.metadata import version
 
     rows = {}
     for length in lengths:
-        for system, checkpointing in LENGTH_ROWS:
+        for system, checkpointing in (row for row in LENGTH_ROWS if row[0] in systems):
             command = [sys.executable, __file__, "--length-child", system, "--lengths", str(length),
                        "--steps", str(steps), "--model", model] + (["--checkpointing"] if checkpointing else [])
             result = _child(command, f"{system} at {length} tokens (checkpointing={checkpointing})")
@@ -310,6 +310,8 @@ def main() -> None:
                         help="Completion lengths: print the length table (lit_grpo vs TRL) instead.")
     parser.add_argument("--steps", type=int, default=2, help="Steps per row of the length table.")
     parser.add_argument("--model", default="embedded", help="policy.name_or_path of the length table.")
+    parser.add_argument("--systems", nargs="+", choices=["lit_grpo", "trl"], default=["lit_grpo", "trl"],
+                        help="Rows of the length table to run (without trl, the ratio columns stay empty).")
     parser.add_argument("--one", choices=list(CONFIGS), help=argparse.SUPPRESS)
     parser.add_argument("--length-child", choices=["lit_grpo", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
@@ -322,7 +324,7 @@ def main() -> None:
         print("RESULT " + json.dumps(result))
         return
     if args.lengths:
-        length_table(args.lengths, args.steps, args.model)
+        length_table(args.lengths, args.steps, args.model, args.systems)
         return
     rows = []
     for name in CONFIGS:
