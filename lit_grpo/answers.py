@@ -24,7 +24,7 @@ def answer_rows(module: L.LightningModule, datamodule: L.LightningDataModule,
         answers = module.answer(batch["prompt_ids"], batch["prompt_mask"])
     finally:
         module.train(was_training)
-    return answers, datamodule.score_validation(batch["rows"], answers).tolist()
+    return datamodule.full_completions(answers), datamodule.score_validation(batch["rows"], answers).tolist()
 
 
 class BeforeAfterAnswers(L.Callback):

@@ -51,6 +51,10 @@ class OnPolicyDataModule(L.LightningDataModule):
             ``prompt`` is required; other columns reach the reward functions.
         system_prompt: Optional system message of the chat template.
         prompt_template: Format string wrapping each prompt (``{prompt}``).
+        completion_prefix: Text the assistant's reply starts with, put after the
+            chat template (``<think>`` opens the reasoning, as R1-Zero's template
+            does): the policy continues from it, and the rewards, validation and
+            the samples file read it in front of each completion.
         max_prompt_length: Longest prompt in tokens.
         prompt_overflow: ``error`` refuses longer prompts; ``truncate`` keeps
             their last tokens and warns.
@@ -91,6 +95,7 @@ class OnPolicyDataModule(L.LightningDataModule):
         columns: dict[str, str] | None = None,
         system_prompt: str | None = None,
         prompt_template: str = "{prompt}",
+        completion_prefix: str = "",
         max_prompt_length: int | None = 256,
         prompt_overflow: Literal["error", "truncate"] = "error",
         sampling: SamplingSpec | None = None,
@@ -235,9 +240,14 @@ class OnPolicyDataModule(L.LightningDataModule):
 
     # ---------------------------------------------------------------- prompts
     def format_prompts(self, rows: list[dict]) -> list[str]:
-        """Apply the prompt template and the tokenizer's chat template."""
-        return chat_prompts(self.trainer.lightning_module.tokenizer, [row["prompt"] for row in rows],
-                            self.hparams.system_prompt, self.hparams.prompt_template)
+        """Apply the prompt template and the tokenizer's chat template, then the completion prefix."""
+        texts = chat_prompts(self.trainer.lightning_module.tokenizer, [row["prompt"] for row in rows],
+                             self.hparams.system_prompt, self.hparams.prompt_template)
+        return [text + self.hparams.completion_prefix for text in texts]
+
+    def full_completions(self, completions: list[str]) -> list[str]:
+        """Sampled completions as the reply reads: the completion prefix in front of each."""
+        return [self.hparams.completion_prefix + text for text in completions]
 
     def encode(self, rows: list[dict]):
         """Chat-format and tokenize prompts: ``(ids [B, P], mask [B, P])``."""
@@ -353,7 +363,7 @@ class OnPolicyDataModule(L.LightningDataModule):
         """Score greedy validation answers with ``val_reward``: ``[B]`` floats."""
         columns = columns_of(rows)
         prompts = columns.pop("prompt")
-        values = self.val_reward(prompts, completions, **columns)
+        values = self.val_reward(prompts, self.full_completions(completions), **columns)
         return torch.tensor([0.0 if v is None else float(v) for v in values])
 
     # ------------------------------------------------------------ checkpoint

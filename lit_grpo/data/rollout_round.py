@@ -76,7 +76,7 @@ def collect_rollout(datamodule, module, rank: int) -> RolloutResult:
     stats["rollout/tokens_per_s"] = generated_tokens / max(timings["generate"], 1e-9)
     stats["rollout/rounds"] = float(round_index + 1)
     stats.update({f"time/{name}": seconds for name, seconds in timings.items()})
-    samples = [(g.prompt, g.texts[0], float(g.rewards[0])) for g in groups[:2]]
+    samples = [(g.prompt, datamodule.full_completions(g.texts[:1])[0], float(g.rewards[0])) for g in groups[:2]]
     return RolloutResult(rows, stats, samples)
 
 
@@ -107,7 +107,8 @@ def _sample_groups(datamodule, module, prompts: list[dict], timings: dict, round
     rows = [row for row in prompts for _ in range(G)]
     columns = {key: [row.get(key) for row in rows] for key in rows[0] if key != "prompt"}
     columns["completion_length"] = rollout.lengths.tolist()
-    scores = datamodule.rewards.score([r["prompt"] for r in rows], rollout.texts, columns)
+    scores = datamodule.rewards.score([r["prompt"] for r in rows], datamodule.full_completions(rollout.texts),
+                                      columns)
     timings["reward"] += time.perf_counter() - start
     groups = []
     for i, prompt in enumerate(prompts):
