@@ -166,12 +166,13 @@ def _length_data(length: int, cls=None):
     )
 
 
-def run_length_lit(model: str, length: int, checkpointing: bool, steps: int) -> list[float]:
+def run_length_lit(model: str, length: int, checkpointing: bool, steps: int, release: bool) -> list[float]:
     """``steps`` GRPO steps (one rollout and one optimizer step each) with lit_grpo; each one's seconds."""
     import lightning as L
 
     from lit_grpo.algorithms.grpo import GRPOModule
     from lit_grpo.data.grpo import OnPolicyDataModule
+    from lit_grpo.host_memory import ReleaseHostMemory
     from lit_grpo.policy import LoraSpec, PolicySpec
 
     seconds: list[float] = []
@@ -197,7 +198,7 @@ def run_length_lit(model: str, length: int, checkpointing: bool, steps: int) -> 
         accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=1, max_epochs=steps,
         reload_dataloaders_every_n_epochs=1, limit_val_batches=0, num_sanity_val_steps=0, gradient_clip_val=1.0,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[StepTimer()],
+        callbacks=[StepTimer()] + ([ReleaseHostMemory()] if release else []),
     )
     trainer.fit(module, _length_data(length, Timed))
     return seconds
@@ -255,17 +256,17 @@ def _check_length(mean_length: float, length: int) -> None:
         raise RuntimeError(f"completions averaged {mean_length} tokens, not the fixed {length}")
 
 
-def run_length(system: str, model: str, length: int, checkpointing: bool, steps: int) -> dict:
+def run_length(system: str, model: str, length: int, checkpointing: bool, steps: int, release: bool) -> dict:
     """One row of the length table in this process: peak memory and the median warm step's seconds."""
     if system == "lit_grpo":
-        seconds = run_length_lit(model, length, checkpointing, steps)
+        seconds = run_length_lit(model, length, checkpointing, steps, release)
     else:
         seconds = run_length_trl(model, length, steps)
     gpu = torch.cuda.is_available()
     return {"peak_mib": _peak_mib(gpu), "step_s": statistics.median(seconds[1:] or seconds), "gpu": gpu}
 
 
-def length_table(lengths: list[int], steps: int, model: str, systems: list[str]) -> None:
+def length_table(lengths: list[int], steps: int, model: str, systems: list[str], release: bool) -> None:
     """Print the length table (the rows of ``systems``), each row from a fresh process."""
     from importlib.metadata import version
 
@@ -274,6 +275,8 @@ def length_table(lengths: list[int], steps: int, model: str, systems: list[str])
         for system, checkpointing in (row for row in LENGTH_ROWS if row[0] in systems):
             command = [sys.executable, __file__, "--length-child", system, "--lengths", str(length),
                        "--steps", str(steps), "--model", model] + (["--checkpointing"] if checkpointing else [])
+            if release and system == "lit_grpo":
+                command.append("--release-host-memory")
             result = _child(command, f"{system} at {length} tokens (checkpointing={checkpointing})")
             if result is not None:
                 rows[length, system, checkpointing] = result
@@ -282,7 +285,7 @@ def length_table(lengths: list[int], steps: int, model: str, systems: list[str])
     measure = "torch.cuda.max_memory_allocated" if next(iter(rows.values()))["gpu"] else "peak RSS (ru_maxrss)"
     timing = {1: "step 1, warm-up included", 2: "step 2"}.get(steps, f"median of steps 2-{steps}")
     print(f"GRPO steps, {model}, LoRA r=16, 1 prompt x G={GROUP_SIZE} completions of exactly N tokens, beta=0.04, "
-          f"fp32; {measure}; step s: {timing}")
+          f"fp32; {measure}; step s: {timing}" + ("; lit_grpo with ReleaseHostMemory" if release else ""))
     print("| N tokens | system         | grad ckpt | peak MiB | step s | peak / TRL | step / TRL |")
     print("|----------|----------------|-----------|----------|--------|------------|------------|")
     labels = {"lit_grpo": f"lit_grpo {version('lit_grpo')}", "trl": f"TRL {version('trl')}"}
@@ -312,6 +315,8 @@ def main() -> None:
     parser.add_argument("--model", default="embedded", help="policy.name_or_path of the length table.")
     parser.add_argument("--systems", nargs="+", choices=["lit_grpo", "trl"], default=["lit_grpo", "trl"],
                         help="Rows of the length table to run (without trl, the ratio columns stay empty).")
+    parser.add_argument("--release-host-memory", action="store_true",
+                        help="lit_grpo's rows run with the ReleaseHostMemory callback (less peak RSS, slower).")
     parser.add_argument("--one", choices=list(CONFIGS), help=argparse.SUPPRESS)
     parser.add_argument("--length-child", choices=["lit_grpo", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
@@ -320,11 +325,12 @@ def main() -> None:
         print("RESULT " + json.dumps(run_one(args.one, args.checkpointing)))
         return
     if args.length_child:
-        result = run_length(args.length_child, args.model, args.lengths[0], args.checkpointing, args.steps)
+        result = run_length(args.length_child, args.model, args.lengths[0], args.checkpointing, args.steps,
+                            args.release_host_memory)
         print("RESULT " + json.dumps(result))
         return
     if args.lengths:
-        length_table(args.lengths, args.steps, args.model, args.systems)
+        length_table(args.lengths, args.steps, args.model, args.systems, args.release_host_memory)
         return
     rows = []
     for name in CONFIGS:

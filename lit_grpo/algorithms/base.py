@@ -24,7 +24,6 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from lit_grpo.checkpointing import check_checkpoint
 from lit_grpo.distributed import full_tensors, reduce_across_ranks, shard
-from lit_grpo.host_memory import return_freed_memory
 from lit_grpo.policy import PolicySpec, build_policy, load_tokenizer
 from lit_grpo.strategies import check_strategy
 from lit_grpo.training_guard import NonFiniteGuard
@@ -71,8 +70,6 @@ class PolicyModule(L.LightningModule):
     # ------------------------------------------------------------------ model
     def setup(self, stage: str) -> None:
         check_strategy(self.trainer)  # before configure_model loads any weights
-        if self.trainer.strategy.root_device.type == "cpu":
-            return_freed_memory()  # host memory is the device's: keep a step's peak RSS what it holds
 
     def configure_model(self) -> None:
         """Load the policy once (Lightning may call this more than once); shard it under FSDP2."""
