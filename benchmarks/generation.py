@@ -11,8 +11,9 @@ rollout seconds.
 Part 2, a full GRPO step (``--part step``): ``lit_grpo`` trains the same
 setting for 2 epochs (one optimizer step per epoch) with each engine; the
 table shows the second epoch (the first pays for vLLM's start): rollout
-seconds, training seconds and the whole step, in float32 (bf16 only pays on
-hardware with bf16 matrix units; part 1 shows what it does here).
+seconds, training seconds and the whole step. The policy trains in float32;
+the bf16 engines sample from a bf16 copy of it (``generation.dtype``), which
+pays only where the CPU or GPU has bf16 matrix units (part 1 shows it).
 
     python benchmarks/generation.py --part sampling --shapes 4x8x64 8x8x256 --repeats 2
     python benchmarks/generation.py --part step --shapes 1x8x256 8x8x256
@@ -132,8 +133,6 @@ def step_part(shapes: list[tuple[int, int, int]], vllm: bool, chosen: list[str])
     print("|---|---|---|---|---|")
     for prompts, group, new_tokens in shapes:
         for name, spec in engines(vllm, chosen).items():
-            if name.endswith("bf16"):  # bf16 matmuls only pay on hardware with bf16 units (part 1 shows it)
-                continue
             module = GRPOModule(policy=PolicySpec(dtype="float32", lora=LoraSpec()), generation=spec, progress=False,
                                 validate_before_training=False, log_samples=0)
             data = OnPolicyDataModule(source="word_problems", system_prompt=SYSTEM, prompts_per_epoch=prompts,
