@@ -288,7 +288,8 @@ def length_table(lengths: list[int], steps: int, model: str, systems: list[str],
           f"fp32; {measure}; step s: {timing}" + ("; lit_grpo with ReleaseHostMemory" if release else ""))
     print("| N tokens | system         | grad ckpt | peak MiB | step s | peak / TRL | step / TRL |")
     print("|----------|----------------|-----------|----------|--------|------------|------------|")
-    labels = {"lit_grpo": f"lit_grpo {version('lit_grpo')}", "trl": f"TRL {version('trl')}"}
+    names = {"lit_grpo": "lit_grpo", "trl": "TRL"}
+    labels = {system: f"{names[system]} {version(system)}" for system in {key[1] for key in rows}}
     for (length, system, checkpointing), r in rows.items():
         trl = rows.get((length, "trl", True))
         ratios = (f"{r['peak_mib'] / trl['peak_mib']:10.2f} | {r['step_s'] / trl['step_s']:10.2f}" if trl

@@ -13,7 +13,8 @@ import lightning as L
 
 def answer_rows(module: L.LightningModule, datamodule: L.LightningDataModule,
                 rows: list[dict]) -> tuple[list[str], list[float]]:
-    """Greedy answers to ``rows`` and their validation scores, the policy in eval mode.
+    """Greedy answers to ``rows`` (the completion prefix in front) and their validation scores,
+    the policy in eval mode.
 
     The module must be attached to a Trainer (inside or after ``fit``/``validate``).
     """

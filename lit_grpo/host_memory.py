@@ -18,9 +18,9 @@ nothing else holds on to them. The price is a page fault for every page of
 every large tensor: that pass took 21 s instead of 14 s here (a VM, where
 faults are dear), so it is a switch, the :class:`ReleaseHostMemory` callback,
 for runs that are bound by memory (long completions on a CPU), not a default.
-It is process-wide; it leaves alone a process whose ``MALLOC_MMAP_THRESHOLD_``
-is set (the user chose) and C libraries other than glibc (a preloaded jemalloc
-or tcmalloc manages its own).
+It is process-wide; it leaves alone a process whose threshold the user set
+(``MALLOC_MMAP_THRESHOLD_``, ``GLIBC_TUNABLES``) and one whose malloc is not
+glibc's (another C library, or a preloaded jemalloc, tcmalloc or mimalloc).
 """
 
 from __future__ import annotations
@@ -41,13 +41,16 @@ def return_freed_memory() -> bool:
     """Fix glibc's mmap threshold at :data:`MMAP_THRESHOLD_BYTES` for this process (once).
 
     Returns:
-        Whether the setting was applied: ``False`` off glibc, where
-        ``MALLOC_MMAP_THRESHOLD_`` is set, or if ``mallopt`` refused.
+        Whether the setting was applied: ``False`` off glibc, where the
+        threshold was set (``MALLOC_MMAP_THRESHOLD_``, ``GLIBC_TUNABLES``), where
+        ``LD_PRELOAD`` names jemalloc, tcmalloc or mimalloc, or if ``mallopt`` refused.
     """
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return False
+    preloaded = os.environ.get("LD_PRELOAD", "")
+    if ("MALLOC_MMAP_THRESHOLD_" in os.environ or "mmap_threshold" in os.environ.get("GLIBC_TUNABLES", "")
+            or any(name in preloaded for name in ("jemalloc", "tcmalloc", "mimalloc"))):
+        return False  # the user chose the threshold, or another allocator serves malloc
     return bool(ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
 
 

@@ -119,8 +119,9 @@ def test_fsdp2_cli_run_with_the_shipped_config(tiny_model_dir, tmp_path):
 
 
 def test_ppo_under_fsdp2_keeps_ranks_equal_and_resumes_from_its_sharded_checkpoint(tiny_model_dir, tmp_path):
-    # PPO's shared critic (a second adapter) and value head next to the actor, sharded by FSDP2:
-    # every trainable weight, the head's included, must get the same update on every rank.
+    # PPO's shared critic (a second adapter) and value head next to the actor, all sharded by FSDP2.
+    # Gathered shards read the same on every rank by construction; a weight left out of FSDP2
+    # (as the value head once was) is a full copy per rank, trained on that rank's rows alone.
     def run(root: Path, epochs: int, *extra: str) -> str:
         root.mkdir()
         code, output = finish(start([
@@ -146,6 +147,7 @@ def test_ppo_under_fsdp2_keeps_ranks_equal_and_resumes_from_its_sharded_checkpoi
         assert torch.equal(tensor, ranks[1][name]), name
     for adapter in ("default", "critic"):  # both adapters trained (lora_B starts at zero)
         assert any(t.abs().max() > 0 for n, t in ranks[0].items() if f"lora_B.{adapter}" in n), adapter
+    assert not torch.equal(torch.load(first / "start-rank0.pt")["value_head.weight"], ranks[0]["value_head.weight"])
     head = load_file(first / "adapter" / "critic" / "value_head.safetensors")
     assert torch.equal(head["weight"], ranks[0]["value_head.weight"])  # the whole head, gathered
     # Resumed from the sharded checkpoint, the run starts from exactly the weights the first one ended with.

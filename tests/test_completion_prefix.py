@@ -46,11 +46,14 @@ def test_prefix_ends_each_prompt_and_starts_each_completion_the_readers_see(tmp_
     assert prompt_ids[0, -len(prefix_ids):].tolist() == prefix_ids
     # Training rewards, validation and the samples file all read "<think>" + the sampled text.
     assert len(train_seen.completions) == 8 and len(val_seen.completions) >= 2
-    assert all(c.startswith(PREFIX) for c in train_seen.completions + val_seen.completions)
+    def once(text: str) -> bool:
+        return text.startswith(PREFIX) and not text.startswith(PREFIX * 2)
+
+    assert all(once(c) for c in train_seen.completions + val_seen.completions)
     samples = [json.loads(line) for line in next(tmp_path.rglob("samples.jsonl")).read_text().splitlines()]
-    assert samples and all(s["completion"].startswith(PREFIX) for s in samples)
+    assert samples and all(once(s["completion"]) for s in samples)
     answers, _ = answer_rows(module, data, data.val_rows)
-    assert all(a.startswith(PREFIX) for a in answers)
+    assert all(once(a) for a in answers)
     # Without a prefix nothing is added.
     assert OnPolicyDataModule().full_completions(["x"]) == ["x"]
     assert torch.isfinite(trainer.callback_metrics["train/loss"])

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
 
 import pytest
 
-pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
+pytestmark = pytest.mark.skipif(
+    platform.libc_ver()[0] != "glibc" or any(k.startswith("MALLOC_") for k in os.environ)
+    or "LD_PRELOAD" in os.environ or "GLIBC_TUNABLES" in os.environ,
+    reason="glibc's own malloc, as it comes, only")
 
 # Three checkpointed log-prob passes (forward + backward) of a small random Llama over 4 rows
 # x 1024 completion tokens; prints the MiB of RSS they leave behind. Their tensors are all
@@ -48,7 +52,7 @@ def retained_mib(mode: str) -> float:
 def test_freed_tensors_leave_the_process_with_the_threshold_fixed():
     # Measured here: about 240 MiB left behind by default, 50 MiB (gradients and caches) with the threshold fixed.
     default, fixed = retained_mib("default"), retained_mib("fixed")
-    assert default > 150 and fixed < 100 and default > 2 * fixed, (default, fixed)
+    assert default > 2 * fixed and default - fixed > 64, (default, fixed)
 
 
 def test_a_threshold_the_user_set_is_left_alone(monkeypatch):

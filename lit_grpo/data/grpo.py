@@ -360,7 +360,10 @@ class OnPolicyDataModule(L.LightningDataModule):
         return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "rows": rows}
 
     def score_validation(self, rows: list[dict], completions: list[str]) -> torch.Tensor:
-        """Score greedy validation answers with ``val_reward``: ``[B]`` floats."""
+        """Score greedy validation answers with ``val_reward``: ``[B]`` floats.
+
+        ``completions`` are the sampled texts; the completion prefix is put in front here.
+        """
         columns = columns_of(rows)
         prompts = columns.pop("prompt")
         values = self.val_reward(prompts, self.full_completions(completions), **columns)
