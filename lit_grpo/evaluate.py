@@ -67,9 +67,11 @@ def load_adapter(module: GRPOModule, folder: str | Path) -> None:
 
 @torch.no_grad()
 def evaluate(module: GRPOModule, datamodule: OnPolicyDataModule, samples: int, pass_k: list[int],
-             progress: bool = True) -> dict[str, float]:
-    """Greedy accuracy and pass@k on the validation prompts of an attached module and DataModule."""
-    rows, size = datamodule.val_rows, datamodule.hparams.val_batch_size
+             rows: list[dict] | None = None, progress: bool = True) -> dict[str, float]:
+    """Greedy accuracy and pass@k on ``rows`` (by default the validation prompts) of an attached
+    module and DataModule."""
+    rows = datamodule.val_rows if rows is None else rows
+    size = datamodule.hparams.val_batch_size
     greedy, passes = [], {k: [] for k in pass_k}
     sampling = datamodule.sampling
     bar = tqdm(total=len(rows), desc="eval", unit="prompt", disable=not progress, dynamic_ncols=True)
@@ -133,6 +135,10 @@ def main(argv: list[str]) -> dict[str, float]:
         module.engine.weights_changed()
     result = {"model": module.spec.name_or_path, "adapter": config["adapter"],
               **evaluate(module, datamodule, samples, pass_k if samples else [])}
+    slices = {name: evaluate(module, datamodule, samples, pass_k if samples else [], rows)
+              for name, rows in datamodule.val_slices.items()}
+    if slices:
+        result["slices"] = slices
     print(table(result))
     if config["out"]:
         Path(config["out"]).parent.mkdir(parents=True, exist_ok=True)
@@ -142,7 +148,13 @@ def main(argv: list[str]) -> dict[str, float]:
 
 
 def table(result: dict) -> str:
-    """The figures as a Markdown table row with its header."""
-    columns = ["model", "adapter", "prompts", "greedy_accuracy", *[k for k in result if k.startswith("pass@")]]
-    cells = [f"{result[c]:.3f}" if isinstance(result[c], float) else str(result[c] or "-") for c in columns]
-    return "\n".join(["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns), "| " + " | ".join(cells) + " |"])
+    """The figures as a Markdown table: the validation prompts' row, then one per ``data.val_slices`` slice."""
+    sets = {"validation": result, **result.get("slices", {})}
+    columns = ["prompts", "greedy_accuracy", *[k for k in result if k.startswith("pass@")]]
+    header = ["model", "adapter", "set", *columns]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name, figures in sets.items():
+        cells = [str(result["model"]), str(result["adapter"] or "-"), name,
+                 *[f"{figures[c]:.3f}" if isinstance(figures[c], float) else str(figures[c]) for c in columns]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

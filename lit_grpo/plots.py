@@ -47,7 +47,7 @@ class Panel:
 
 PANELS: dict[str, Panel] = {
     "reward": Panel("reward (total and per function)", ("reward/*",), exclude=("reward/std",), smooth=5),
-    "val/accuracy": Panel("validation accuracy (greedy)", ("val/accuracy",)),
+    "val/accuracy": Panel("validation accuracy (greedy)", ("val/accuracy", "val/*/accuracy")),
     "train/kl": Panel("KL to the reference", ("train/kl",)),
     "train/entropy": Panel("entropy (nats/token)", ("train/entropy",)),
     "completion/length": Panel("completion length (tokens)", ("completion/length_mean",)),

@@ -12,7 +12,7 @@ import importlib.util
 import pytest
 import torch
 
-from lit_grpo.data.grpo import chat_prompts
+from lit_grpo.data.prompts import chat_prompts
 from lit_grpo.generation import GenerationSpec
 from lit_grpo.generation.native import NativeEngine
 from lit_grpo.generation.rollout import SamplingSpec, encode_prompts

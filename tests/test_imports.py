@@ -60,7 +60,7 @@ def test_old_dotted_paths_import_the_moved_modules():
         "assert lit_grpo.module.GRPOModule is lit_grpo.algorithms.grpo.GRPOModule",
         "from lit_grpo.data import OnPolicyDataModule, chat_prompts",  # lit_grpo.data was a module
         "assert OnPolicyDataModule is lit_grpo.data.grpo.OnPolicyDataModule",
-        "assert chat_prompts is lit_grpo.data.grpo.chat_prompts",
+        "assert chat_prompts is lit_grpo.data.prompts.chat_prompts",
         "from lit_grpo.rollout import SamplingSpec",
         "from lit_grpo.generation.rollout import SamplingSpec as moved",
         "assert SamplingSpec is moved",

@@ -24,7 +24,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import load_file
 
 from lit_grpo.algorithms.grpo import GRPOModule
-from lit_grpo.data.grpo import OnPolicyDataModule, chat_prompts
+from lit_grpo.data.grpo import OnPolicyDataModule
+from lit_grpo.data.prompts import chat_prompts
 from lit_grpo.generation import GenerationSpec
 from lit_grpo.generation.native import NativeEngine
 from lit_grpo.generation.rollout import SamplingSpec, encode_prompts

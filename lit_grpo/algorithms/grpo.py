@@ -75,8 +75,9 @@ class GRPOModule(PolicyModule):
         log_samples: Sample completions written per epoch to
             ``samples.jsonl`` in the log directory.
         progress: Show progress bars for rollout generation.
-        validate_before_training: Score the validation prompts once before the
-            first step (logged as ``val/accuracy`` at step 0), so the gain is visible.
+        validate_before_training: Score the validation prompts (and each
+            ``data.val_slices`` slice) once before the first step (logged as
+            ``val/accuracy``, ``val/<slice>/accuracy`` at step 0), so the gain is visible.
         skip_zero_gradient_rows: With ``beta == 0``, leave rows with zero
             advantage (collapsed groups) out of the forward and backward passes;
             their gradient is exactly zero, and the loss is rescaled so the
@@ -121,7 +122,7 @@ class GRPOModule(PolicyModule):
             from lit_grpo.generation.vllm import check_policy
 
             check_policy(self.spec)
-        self.val_accuracy = MeanMetric()
+        self.val_accuracy = torch.nn.ModuleList([MeanMetric()])  # one per held-out set (data.val_sets())
         self._engine: Engine | None = None  # built at the first rollout, on the policy's device
 
     # Whether the native engine may decode on the adapter folded into the weights.
@@ -326,29 +327,36 @@ class GRPOModule(PolicyModule):
     def on_train_epoch_start(self) -> None:
         self.phase_seconds = {}
 
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        sets = len(self.trainer.datamodule.val_sets()) if self.trainer.datamodule is not None else 1
+        self.val_accuracy.extend(MeanMetric() for _ in range(sets - len(self.val_accuracy)))
+
     def on_train_start(self) -> None:
-        if self.hparams.validate_before_training and self.global_step == 0 and self.trainer.datamodule.val_rows:
-            self.initial_val_accuracy = self.evaluate()
+        datamodule = self.trainer.datamodule
+        if self.hparams.validate_before_training and self.global_step == 0 and datamodule.val_rows:
+            self.initial_val_accuracy = {name: self.evaluate(rows) for name, rows in datamodule.val_sets().items()}
             for logger in self.loggers:
-                logger.log_metrics({"val/accuracy": self.initial_val_accuracy}, step=0)
+                logger.log_metrics(self.initial_val_accuracy, step=0)
             if self.global_rank == 0 and self.hparams.progress:
-                tqdm.write(f"before training: val/accuracy {self.initial_val_accuracy:.3f}")
+                tqdm.write("before training: " + _accuracies(self.initial_val_accuracy))
         # The epoch clock runs from one epoch's end to the next, so it includes the
         # rollout, which Lightning runs before on_train_epoch_start.
         self.epoch_started = time.perf_counter()
 
-    def evaluate(self) -> float:
-        """Greedy accuracy on the validation prompts (all ranks share the work).
+    def evaluate(self, rows: list[dict] | None = None) -> float:
+        """Greedy accuracy on ``rows``, by default the validation prompts (all ranks share the work).
 
         Every rank answers the same number of batches (the last ranks' shares
         are topped up with rows that weigh 0): under FSDP2 each batch gathers
         the shards, a collective.
         """
         datamodule, rank, world = self.trainer.datamodule, self.global_rank, self.trainer.world_size
-        rows = datamodule.val_rows[rank::world]
+        everyone = datamodule.val_rows if rows is None else rows
+        rows = everyone[rank::world]
         weights = [1.0] * len(rows)
-        share = -(-len(datamodule.val_rows) // world)
-        rows += datamodule.val_rows[: share - len(rows)]
+        share = -(-len(everyone) // world)
+        rows += everyone[: share - len(rows)]
         weights += [0.0] * (share - len(weights))
         metric = MeanMetric().to(self.device)
         size = datamodule.hparams.val_batch_size
@@ -365,8 +373,9 @@ class GRPOModule(PolicyModule):
         self._write_samples()
         metrics = self.trainer.callback_metrics
         summary = f"epoch {self.current_epoch}: reward {float(metrics.get('reward/total', float('nan'))):.3f}"
-        if "val/accuracy" in metrics:
-            summary += f" | val/accuracy {float(metrics['val/accuracy']):.3f}"
+        validated = {name: float(metrics[name]) for name in self.trainer.datamodule.val_sets() if name in metrics}
+        if validated:
+            summary += " | " + _accuracies(validated)
         summary += f" | {time.perf_counter() - self.epoch_started:.1f} s"
         if self.global_rank == 0 and self.hparams.progress:
             tqdm.write(summary)
@@ -385,13 +394,20 @@ class GRPOModule(PolicyModule):
                                     "completion": completion, "reward": reward}) + "\n")
 
     # ------------------------------------------------------------- validation
-    def validation_step(self, batch: dict, batch_idx: int) -> None:
+    def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
         completions = self.answer(batch["prompt_ids"], batch["prompt_mask"])
         scores = self.trainer.datamodule.score_validation(batch["rows"], completions)
-        self.val_accuracy.update(scores.to(self.device))
-        self.log("val/accuracy", self.val_accuracy, on_step=False, on_epoch=True, prog_bar=True,
-                 batch_size=len(completions))
+        metric = self.val_accuracy[dataloader_idx]
+        metric.update(scores.to(self.device))
+        name = list(self.trainer.datamodule.val_sets())[dataloader_idx]
+        self.log(name, metric, on_step=False, on_epoch=True, prog_bar=True, batch_size=len(completions),
+                 add_dataloader_idx=False)
 
     def answer(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[str]:
         """Greedy completions of left-padded prompts (what validation scores)."""
         return self.engine.generate(prompt_ids, prompt_mask, self.trainer.datamodule.sampling, greedy=True).texts
+
+
+def _accuracies(values: dict[str, float]) -> str:
+    """``val/accuracy 0.125 | val/3+2/accuracy 0.031``."""
+    return " | ".join(f"{name} {value:.3f}" for name, value in values.items())

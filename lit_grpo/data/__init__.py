@@ -6,7 +6,7 @@ buffer (:mod:`~lit_grpo.data.buffer`); :class:`PreferenceDataModule`
 (:mod:`~lit_grpo.data.preferences`) serves fixed preference pairs for DPO.
 Both read prompts from :mod:`~lit_grpo.data.sources`: a built-in task
 (:mod:`~lit_grpo.data.tasks`, :mod:`~lit_grpo.data.word_problems`), a file or
-a hub dataset. The DataModules are imported on first use, so that the tasks
+a hub dataset, and wrap them in the chat template (:mod:`~lit_grpo.data.prompts`). The DataModules are imported on first use, so that the tasks
 and sources import without Lightning.
 """
 
@@ -18,7 +18,7 @@ import importlib
 # DataModule's module before it became this package: its names stay here.
 _EXPORTS = {
     "OnPolicyDataModule": "lit_grpo.data.grpo",
-    "chat_prompts": "lit_grpo.data.grpo",
+    "chat_prompts": "lit_grpo.data.prompts",
     "PreferenceDataModule": "lit_grpo.data.preferences",
 }
 __all__ = sorted(_EXPORTS)

@@ -31,7 +31,8 @@ from lit_grpo.rewards import Accuracy, Format, Reward, RewardCombiner
 from lit_grpo.generation.rollout import SamplingSpec, encode_prompts
 from lit_grpo.distributed import gather_to_rank_zero
 from lit_grpo.data.rollout_round import ESTIMATORS, RolloutResult, collect_rollout
-from lit_grpo.data.sources import load_rows, rename_columns
+from lit_grpo.data.prompts import chat_prompts, check_prompt_lengths, columns_of
+from lit_grpo.data.sources import check_slices, held_out_slices, load_rows, rename_columns
 
 
 class OnPolicyDataModule(L.LightningDataModule):
@@ -44,8 +45,16 @@ class OnPolicyDataModule(L.LightningDataModule):
         split: Training split of a file or hub source.
         val_split: Held-out split; ``None`` holds out ``val_size`` rows of the
             training split instead (built-in tasks generate a disjoint set).
-        val_size: Validation prompts.
-        task_args: Options of a built-in task (e.g. ``{"digits": 2, "ops": "+"}``).
+        val_size: Validation prompts (and prompts per slice of ``val_slices``).
+        val_slices: Further held-out sets of a built-in task, each scored
+            like the validation prompts and logged as ``val/<name>/accuracy``:
+            name -> task options that override ``task_args`` (``{"3+2":
+            {"digits": [3, 2]}}``: questions the training distribution does
+            not cover; the first set of a ``task_args`` mix is overridden).
+            Prompts also in training are dropped.
+        task_args: Options of a built-in task (e.g. ``{"digits": 2, "ops": "+"}``),
+            or a list of them: a mix, each set generating an equal share of
+            the rows (``[{"digits": 2}, {"digits": [2, 3]}]``).
         train_size: Rows a built-in task generates for training.
         columns: Our column name -> the dataset's (``{"prompt": "question"}``).
             ``prompt`` is required; other columns reach the reward functions.
@@ -90,7 +99,8 @@ class OnPolicyDataModule(L.LightningDataModule):
         split: str = "train",
         val_split: str | None = None,
         val_size: int = 64,
-        task_args: dict | None = None,
+        val_slices: dict[str, dict] | None = None,
+        task_args: dict | list[dict] | None = None,
         train_size: int = 2000,
         columns: dict[str, str] | None = None,
         system_prompt: str | None = None,
@@ -121,6 +131,7 @@ class OnPolicyDataModule(L.LightningDataModule):
                             ("num_iterations", num_iterations), ("val_size", val_size)):
             if value < 1:
                 raise ValueError(f"data.{name}={value}; expected >= 1.")
+        check_slices(source, val_slices or {})
         if "{prompt}" not in prompt_template:
             raise ValueError(f"data.prompt_template={prompt_template!r} must contain '{{prompt}}'.")
         self.position = 0  # next unused prompt in the current pass
@@ -128,6 +139,7 @@ class OnPolicyDataModule(L.LightningDataModule):
         self.rollout_epoch = -1  # last epoch whose rollout consumed prompts
         self.train_rows: list[dict] = []
         self.val_rows: list[dict] = []
+        self.val_slices: dict[str, list[dict]] = {}  # name -> rows
         self.last_result: RolloutResult | None = None  # this epoch's rollout
         self.trained = 0  # its micro-batches trained on so far
         self.stats_pending = False  # its statistics are still to be logged
@@ -152,43 +164,20 @@ class OnPolicyDataModule(L.LightningDataModule):
                     f"data.val_size={hp.val_size} for validation and still train."
                 )
             self.train_rows, self.val_rows = rows[hp.val_size :], rows[: hp.val_size]
+        taken = {row["prompt"] for row in self.train_rows + self.val_rows}
+        self.val_slices = held_out_slices(hp.source, hp.val_slices or {}, hp.task_args, hp.columns or {},
+                                          hp.seed, hp.val_size, taken)
         self._choose_estimator()  # first: a group size the estimator refuses also breaks the budget
         self._check_prompt_budget()
         self.rewards.check_columns(list(self.train_rows[0]), hp.source)
-        RewardCombiner([self.val_reward]).check_columns(list(self.val_rows[0]), hp.source)
-        self._check_prompts()
+        for rows in self.val_sets().values():
+            RewardCombiner([self.val_reward]).check_columns(list(rows[0]), hp.source)
+        check_prompt_lengths(self)
 
-    def _check_prompts(self) -> None:
-        """Chat-format and tokenize every prompt once now, so that a prompt that is too
-        long (or a tokenizer without a chat template) fails before any sampling, not
-        in the epoch that first draws it. Too long is longer than max_prompt_length,
-        or than the model's context less sampling.max_new_tokens: past its context a
-        model samples for minutes, then garbage."""
-        from lit_grpo.policy import PolicySpec, context_length
-
-        module = self.trainer.lightning_module if self.trainer else None
-        if getattr(module, "tokenizer", None) is None:
-            return
-        spec = getattr(module, "spec", None)
-        context = context_length(spec) if isinstance(spec, PolicySpec) else None
-        budget = None if context is None else context - self.sampling.max_new_tokens
-        hp, rows, n_train = self.hparams, self.train_rows + self.val_rows, len(self.train_rows)
-        for start in range(0, len(rows), 512):
-            lengths = self.encode(rows[start : start + 512])[1].sum(1).tolist()  # prompt tokens per row
-            over = [start + i for i, n in enumerate(lengths) if budget is not None and n > budget]
-            if over:
-                i, n = over[0], lengths[over[0] - start]
-                # Where the row is in the user's data: the held-out rows come first in `split`.
-                split = hp.split if i < n_train or hp.val_split is None else hp.val_split
-                row = (i + (hp.val_size if hp.val_split is None else 0)) if i < n_train else i - n_train
-                raise ValueError(
-                    f"data.source={hp.source!r} split {split!r} row {row}: the prompt has {n} tokens "
-                    f"(chat template included), {n + self.sampling.max_new_tokens} with "
-                    f"sampling.max_new_tokens={self.sampling.max_new_tokens}, more than the model's context "
-                    f"of {context} (policy.name_or_path={spec.name_or_path!r}); shorten or drop the row, "
-                    f"lower sampling.max_new_tokens, or set data.max_prompt_length={max(budget, 1)} "
-                    "with data.prompt_overflow='truncate'."
-                )
+    def val_sets(self) -> dict[str, list[dict]]:
+        """The held-out prompts by the metric their greedy accuracy is logged as."""
+        return {"val/accuracy": self.val_rows,
+                **{f"val/{name}/accuracy": rows for name, rows in self.val_slices.items()}}
 
     @property
     def prompts_per_rank(self) -> int:
@@ -351,8 +340,10 @@ class OnPolicyDataModule(L.LightningDataModule):
     def _seed(self, *parts: int) -> int:
         return hash((self.hparams.seed, *parts)) % 2**31
 
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_rows, batch_size=self.hparams.val_batch_size, collate_fn=self.collate_val)
+    def val_dataloader(self) -> DataLoader | list[DataLoader]:
+        loaders = [DataLoader(rows, batch_size=self.hparams.val_batch_size, collate_fn=self.collate_val)
+                   for rows in self.val_sets().values()]
+        return loaders if len(loaders) > 1 else loaders[0]
 
     def collate_val(self, rows: list[dict]) -> dict:
         """Tokenize validation rows: ``{prompt_ids, prompt_mask, rows}``."""
@@ -396,26 +387,3 @@ class OnPolicyDataModule(L.LightningDataModule):
                 "end-of-epoch checkpoint."
             )
 
-
-def chat_prompts(tokenizer, prompts: list[str], system_prompt: str | None, prompt_template: str) -> list[str]:
-    """Wrap each prompt in ``prompt_template`` and the tokenizer's chat template.
-
-    Raises:
-        ValueError: The tokenizer has no chat template.
-    """
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            "the tokenizer has no chat template, which the prompts need; use an instruct/chat "
-            "model or set tokenizer.chat_template."
-        )
-    texts = []
-    for prompt in prompts:
-        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        messages.append({"role": "user", "content": prompt_template.format(prompt=prompt)})
-        texts.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
-    return texts
-
-
-def columns_of(rows: list[dict]) -> dict[str, list]:
-    """Rows -> columns (``{name: [value per row]}``)."""
-    return {key: [row.get(key) for row in rows] for key in rows[0]}

@@ -22,7 +22,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from lit_grpo.data.grpo import chat_prompts
+from lit_grpo.data.prompts import chat_prompts
 from lit_grpo.data.sources import load_rows, rename_columns
 from lit_grpo.generation.rollout import encode_prompts
 

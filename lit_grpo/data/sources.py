@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import codecs
 import warnings
+from itertools import zip_longest
 from pathlib import Path
 
 from lit_grpo.data.tasks import TASKS
@@ -17,7 +18,8 @@ _LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".cs
 _TEXT_FORMATS = {".json", ".jsonl", ".csv"}
 
 
-def load_rows(source: str, split: str, task_args: dict | None, seed: int, size: int | None) -> list[dict]:
+def load_rows(source: str, split: str, task_args: dict | list[dict] | None, seed: int,
+              size: int | None) -> list[dict]:
     """Load raw rows (dataset column names) from ``source``.
 
     Args:
@@ -25,12 +27,15 @@ def load_rows(source: str, split: str, task_args: dict | None, seed: int, size: 
             ``word_problems``), a local ``.json/.jsonl/.parquet/.csv`` file,
             or a hub dataset name.
         split: The dataset split (hub and local sources).
-        task_args: Keyword arguments for a built-in task; ignored, with a
-            warning, for other sources.
+        task_args: Keyword arguments for a built-in task, or a list of them
+            (a mix: :func:`mixed_task`); ignored, with a warning, for other
+            sources.
         seed: Seed of a built-in task's generator.
         size: Rows to generate for a built-in task.
     """
     if source in TASKS:
+        if isinstance(task_args, list):
+            return mixed_task(source, task_args, seed, size)
         return TASKS[source](n=size, seed=seed, **(task_args or {}))
     if task_args:
         # A config written for a built-in task (the quickstart's) pointed at one's own
@@ -51,6 +56,80 @@ def load_rows(source: str, split: str, task_args: dict | None, seed: int, size: 
     else:
         dataset = _load_hub_dataset(source, split)
     return dataset.to_list()
+
+
+def mixed_task(source: str, mix: list[dict], seed: int, size: int) -> list[dict]:
+    """``size`` rows of a built-in task drawn evenly from several option sets, interleaved.
+
+    Option set ``i`` generates its share with seed ``seed + i`` (the first set
+    alone gives the rows the unmixed task gives); the rows alternate between
+    the sets, so the validation rows held out from the front mix them too. A
+    question two sets both generate is kept once.
+
+    Raises:
+        ValueError: ``mix`` is empty or holds something other than option dicts.
+    """
+    if not mix or not all(isinstance(options, dict) for options in mix):
+        raise ValueError(f"data.task_args={mix!r}; expected the task's options, or a non-empty list of them "
+                         "(a mix), e.g. [{'digits': 2}, {'digits': [2, 3]}].")
+    shares = [size // len(mix) + (i < size % len(mix)) for i in range(len(mix))]
+    parts = [TASKS[source](n=n, seed=seed + i, **options) for i, (n, options) in enumerate(zip(shares, mix))]
+    rows = {}
+    for group in zip_longest(*parts):
+        for row in group:
+            if row is not None:
+                rows.setdefault(row["prompt"], row)
+    return list(rows.values())
+
+
+def check_slices(source: str, slices: dict[str, dict]) -> None:
+    """Refuse a malformed ``data.val_slices``; warn that a source other than a built-in task ignores them.
+
+    A config copied from the quickstart keeps working on one's own file, as
+    with ``task_args``: slices are questions a built-in task generates.
+    """
+    if slices and source not in TASKS:
+        warnings.warn(f"data.val_slices={slices!r} ignored: they are held-out questions of the built-in tasks "
+                      f"{sorted(TASKS)}, and data.source={source!r} is not one of them; hold out rows of your "
+                      "data with data.val_split (or data.val_size).", stacklevel=3)
+    for name, options in slices.items():
+        if not name or "/" in name or not isinstance(options, dict):
+            raise ValueError(f"data.val_slices[{name!r}]={options!r}; expected a name without '/' mapped "
+                             "to task options, e.g. {'3+2': {'digits': [3, 2]}}.")
+
+
+def held_out_slices(source: str, slices: dict[str, dict], task_args: dict | list[dict] | None,
+                    columns: dict[str, str], seed: int, size: int, taken: set[str]) -> dict[str, list[dict]]:
+    """Rows of ``data.val_slices``: ``size`` per slice, none of whose prompts is in ``taken``.
+
+    Args:
+        source: The built-in task.
+        slices: Slice name -> task options overriding ``task_args`` (the
+            first option set of a mix).
+        task_args: The training task's options (or a mix of them).
+        columns: The column map.
+        seed: The data seed; slice ``i`` is generated with ``seed + 1 + i``.
+        size: Rows per slice.
+        taken: Prompts of the training and validation rows.
+
+    Returns:
+        Slice name -> rows; nothing for a source that is not a built-in task.
+
+    Raises:
+        ValueError: All of a slice's questions are training prompts.
+    """
+    if source not in TASKS:
+        return {}  # ignored, with a warning (check_slices)
+    held_out = {}
+    for i, (name, options) in enumerate(slices.items()):
+        base = task_args[0] if isinstance(task_args, list) else task_args or {}
+        raw = load_rows(source, "train", {**base, **options}, seed + 1 + i, 4 * size)
+        rows = [row for row in rename_columns(raw, columns, source) if row["prompt"] not in taken]
+        if not rows:
+            raise ValueError(f"data.val_slices[{name!r}]={options!r}: every question it generates is also a "
+                             "training prompt; a slice holds out questions of another form.")
+        held_out[name] = rows[:size]
+    return held_out
 
 
 def _load_file(source: str, path: Path):

@@ -20,13 +20,14 @@ from lit_grpo.data.word_problems import word_problems
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 
-def arithmetic(n: int, seed: int, digits: int = 2, ops: str = "+-*") -> list[dict]:
+def arithmetic(n: int, seed: int, digits: int | list[int] = 2, ops: str = "+-*") -> list[dict]:
     """Generate ``n`` distinct "What is A op B?" questions.
 
     Args:
         n: Number of rows.
         seed: Random seed; the same seed gives the same rows.
-        digits: Digits per operand (2 gives 10..99).
+        digits: Digits per operand (2 gives 10..99), or ``[digits of A,
+            digits of B]`` (``[3, 2]``: "What is 347 + 58?").
         ops: Which of ``+ - *`` to draw from.
 
     Returns:
@@ -38,7 +39,7 @@ def arithmetic(n: int, seed: int, digits: int = 2, ops: str = "+-*") -> list[dic
     ]
 
 
-def arithmetic_preferences(n: int, seed: int, digits: int = 2, ops: str = "+-*") -> list[dict]:
+def arithmetic_preferences(n: int, seed: int, digits: int | list[int] = 2, ops: str = "+-*") -> list[dict]:
     """Generate ``n`` arithmetic preference pairs: a right and a wrong answer.
 
     The questions are those of :func:`arithmetic` with the same arguments.
@@ -48,7 +49,7 @@ def arithmetic_preferences(n: int, seed: int, digits: int = 2, ops: str = "+-*")
     Args:
         n: Number of rows.
         seed: Random seed; the same seed gives the same rows.
-        digits: Digits per operand (2 gives 10..99).
+        digits: Digits per operand (2 gives 10..99), or ``[digits of A, digits of B]``.
         ops: Which of ``+ - *`` to draw from.
 
     Returns:
@@ -75,21 +76,23 @@ def _slip(right: int, rng: random.Random) -> int:
     return rng.choice(sorted(candidates))
 
 
-def _operands(n: int, seed: int, digits: int, ops: str) -> list[tuple[int, str, int]]:
-    """``n`` distinct ``(a, op, b)`` triples with ``digits``-digit operands."""
+def _operands(n: int, seed: int, digits: int | list[int], ops: str) -> list[tuple[int, str, int]]:
+    """``n`` distinct ``(a, op, b)`` triples with ``digits``-digit operands (one count, or one each)."""
     bad = set(ops) - set(_OPS)
     if not ops or bad:
         raise ValueError(f"task ops={ops!r}; expected a non-empty string drawn from '+-*'.")
-    if digits < 1:
-        raise ValueError(f"task digits={digits}; expected >= 1.")
-    low, high = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
-    capacity = (high - low + 1) ** 2 * len(ops)
+    counts = [digits, digits] if isinstance(digits, int) else list(digits)
+    if len(counts) != 2 or any(not isinstance(d, int) or d < 1 for d in counts):
+        raise ValueError(f"task digits={digits!r}; expected an integer >= 1, or two of them "
+                         "([digits of A, digits of B]).")
+    (low_a, high_a), (low_b, high_b) = [(0 if d == 1 else 10 ** (d - 1), 10**d - 1) for d in counts]
+    capacity = (high_a - low_a + 1) * (high_b - low_b + 1) * len(ops)
     if n > capacity:
         raise ValueError(f"arithmetic task: n={n} exceeds the {capacity} distinct questions.")
     rng = random.Random(seed)
     seen: dict[tuple[int, str, int], None] = {}  # insertion-ordered set
     while len(seen) < n:
-        a, b, op = rng.randint(low, high), rng.randint(low, high), rng.choice(ops)
+        a, b, op = rng.randint(low_a, high_a), rng.randint(low_b, high_b), rng.choice(ops)
         seen.setdefault((a, op, b))
     return list(seen)
 
