@@ -33,7 +33,8 @@ import time
 import torch
 
 from lit_grpo.algorithms.grpo import GRPOModule
-from lit_grpo.data.grpo import OnPolicyDataModule, chat_prompts
+from lit_grpo.data.grpo import OnPolicyDataModule
+from lit_grpo.data.prompts import chat_prompts
 from lit_grpo.data.word_problems import word_problems
 from lit_grpo.generation import GenerationSpec
 from lit_grpo.generation.rollout import SamplingSpec, encode_prompts, eos_ids

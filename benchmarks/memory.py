@@ -211,7 +211,7 @@ def run_length_trl(model: str, length: int, steps: int) -> list[float]:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from lit_grpo.data.grpo import chat_prompts
+    from lit_grpo.data.prompts import chat_prompts
     from lit_grpo.policy import embedded_model_dir
     from lit_grpo.rewards import accuracy
 

@@ -28,7 +28,7 @@ import time
 import torch
 
 from lit_grpo.algorithms.grpo import GRPOModule
-from lit_grpo.data.grpo import chat_prompts
+from lit_grpo.data.prompts import chat_prompts
 from lit_grpo.data.tasks import arithmetic
 from lit_grpo.generation import GenerationSpec
 from lit_grpo.generation.native import NativeEngine

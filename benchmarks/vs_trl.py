@@ -104,7 +104,7 @@ def trl_dataset(s: Settings):
     from datasets import Dataset
     from transformers import AutoTokenizer
 
-    from lit_grpo.data.grpo import chat_prompts
+    from lit_grpo.data.prompts import chat_prompts
     from lit_grpo.policy import embedded_model_dir
 
     data = lit_datamodule(s)
