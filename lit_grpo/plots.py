@@ -54,6 +54,7 @@ PANELS: dict[str, Panel] = {
     "rollout/truncated_fraction": Panel("completions cut at max_new_tokens", ("rollout/truncated_fraction",)),
     "rollout/collapsed_fraction": Panel("groups with equal rewards", ("rollout/collapsed_fraction",)),
     "train/loss": Panel("loss", ("train/loss_epoch",)),
+    "train/value_loss": Panel("critic's value loss (PPO)", ("train/value_loss",)),
     "time": Panel("seconds per epoch", ("time/*",)),
 }
 
