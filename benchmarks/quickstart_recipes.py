@@ -8,8 +8,8 @@ scored greedily before training and at every validation:
 
 * ``val/2+2/accuracy``: 64 two-digit sums the run never trains on;
 * ``val/3+2/accuracy``: 64 three-digit + two-digit sums, a form the training
-  distribution does not cover (the ``mix`` candidates add 3-digit + 3-digit
-  sums to the two-digit ones).
+  distribution does not cover (``mix33`` trains on 2+2 and 3+3 sums, ``mix3``
+  on 2+2, 2+3 and 3+3: 3+2 is the one combination left out).
 
 Both are ``data.val_slices``, generated apart from the training rows.
 
@@ -24,7 +24,7 @@ reused unless ``--fresh``.
 
 Run alone on the machine (the candidates are compared by wall-clock minutes)::
 
-    python benchmarks/quickstart_recipes.py --candidates shipped --seeds 0 1 2 --out runs/recipes
+    python benchmarks/quickstart_recipes.py --seeds 0 1 2 --out runs/recipes
 """
 
 from __future__ import annotations
@@ -39,22 +39,30 @@ import time
 from pathlib import Path
 
 import lightning as L
+from report import write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 # Both sets are held-out slices, so a candidate that mixes other questions into training (and so
 # into val/accuracy, held out from the same rows) is scored on the same questions as the rest.
 SLICES = {"2+2": {"digits": 2}, "3+2": {"digits": [3, 2]}}
 SETS = {"val/2+2/accuracy": "2-digit + 2-digit", "val/3+2/accuracy": "3-digit + 2-digit"}
-# name -> overrides of configs/quickstart.yaml ("shipped": the config as it is). Each names every
-# setting it changes, so it still means the same recipe after the shipped config changes.
+# name -> overrides of configs/quickstart.yaml. Each names every setting the candidates vary, so
+# it means the same recipe whatever the shipped config holds (today: "mix3-4x8-lr2e-4-40ep").
+TWO_DIGIT = '--data.task_args={"digits": 2, "ops": "+"}'
+MIX3 = ('--data.task_args=[{"digits": 2, "ops": "+"}, {"digits": [2, 3], "ops": "+"}, '
+        '{"digits": [3, 3], "ops": "+"}]')
 CANDIDATES: dict[str, list[str]] = {
-    "shipped": [],
-    "4x8-lr1e-4-30ep": ["--data.prompts_per_epoch=4", "--trainer.max_epochs=30", "--model.optimizer.init_args.lr=1e-4"],
-    "8x8-lr2e-4-20ep": ["--data.prompts_per_epoch=8", "--trainer.max_epochs=20", "--model.optimizer.init_args.lr=2e-4"],
-    "4x8-lr2e-4-40ep": ["--data.prompts_per_epoch=4", "--trainer.max_epochs=40", "--model.optimizer.init_args.lr=2e-4"],
-    "mix33-4x8-lr2e-4-40ep": ["--data.prompts_per_epoch=4", "--trainer.max_epochs=40",
-                              "--model.optimizer.init_args.lr=2e-4",
-                              '--data.task_args=[{"digits": 2, "ops": "+"}, {"digits": [3, 3], "ops": "+"}]'],
+    "2digit-4x8-lr1e-4-30ep": [TWO_DIGIT, "--trainer.max_epochs=30", "--model.optimizer.init_args.lr=1e-4"],
+    "2digit-4x8-lr2e-4-40ep": [TWO_DIGIT, "--trainer.max_epochs=40", "--model.optimizer.init_args.lr=2e-4"],
+    "mix33-4x8-lr2e-4-40ep": ['--data.task_args=[{"digits": 2, "ops": "+"}, {"digits": [3, 3], "ops": "+"}]',
+                              "--trainer.max_epochs=40", "--model.optimizer.init_args.lr=2e-4"],
+    "mix3-4x8-lr2e-4-40ep": [MIX3, "--trainer.max_epochs=40", "--model.optimizer.init_args.lr=2e-4"],
+    "mix3-ds-4x8-lr2e-4-40ep": [MIX3, "--data.dynamic_sampling=true", "--trainer.max_epochs=40",
+                                "--model.optimizer.init_args.lr=2e-4"],
+    "mix3-ds-cos-4x8-lr2e-4-40ep": [MIX3, "--data.dynamic_sampling=true", "--trainer.max_epochs=40",
+                                    "--model.optimizer.init_args.lr=2e-4",
+                                    "--model.scheduler=torch.optim.lr_scheduler.CosineAnnealingLR",
+                                    "--model.scheduler.T_max=40"],
 }
 
 
@@ -174,23 +182,23 @@ def plot(results: list[dict], path: Path) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--candidates", nargs="+", choices=list(CANDIDATES), default=["shipped"])
+    parser.add_argument("--candidates", nargs="+", choices=list(CANDIDATES), default=list(CANDIDATES))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--eval_every", type=int, default=5, help="epochs between greedy evaluations")
     parser.add_argument("--out", default="runs/recipes")
     parser.add_argument("--fresh", action="store_true", help="rerun runs cached in OUT/runs")
+    parser.add_argument("--cached_only", action="store_true", help="report the cached runs, start none")
     parser.add_argument("extra", nargs="*", help="more lit-grpo fit arguments for every run (after --)")
     args = parser.parse_args()
-    results = [r for candidate in args.candidates for seed in args.seeds if (r := run(candidate, seed, args))]
+    cached = Path(args.out) / "runs"
+    pairs = [(c, seed) for c in args.candidates for seed in args.seeds
+             if not args.cached_only or (cached / f"{c}-{seed}.json").exists()]
+    results = [r for candidate, seed in pairs if (r := run(candidate, seed, args))]
     if not results:
         sys.exit("no run finished")
-    out = Path(args.out)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    text = (f"Quickstart recipes, seeds {args.seeds}: mean ± sample std [min, max] over seeds.\n\n"
-            f"{table(results)}\n")
-    (out / "table.md").write_text(text)
-    print(text)
-    print(f"plot: {plot(results, out / 'curves.png')}")
+    write_report(args.out, results, f"Quickstart recipes, seeds {args.seeds}: mean ± sample std [min, max] over seeds.",
+                 table(results))
+    print(f"plot: {plot(results, Path(args.out) / 'curves.png')}")
 
 
 if __name__ == "__main__":
