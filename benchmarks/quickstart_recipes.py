@@ -46,23 +46,27 @@ ROOT = Path(__file__).resolve().parent.parent
 # into val/accuracy, held out from the same rows) is scored on the same questions as the rest.
 SLICES = {"2+2": {"digits": 2}, "3+2": {"digits": [3, 2]}}
 SETS = {"val/2+2/accuracy": "2-digit + 2-digit", "val/3+2/accuracy": "3-digit + 2-digit"}
-# name -> overrides of configs/quickstart.yaml. Each names every setting the candidates vary, so
-# it means the same recipe whatever the shipped config holds (today: "mix3-4x8-lr2e-4-40ep").
+# name -> overrides of configs/quickstart.yaml. Each names every setting the candidates vary (task
+# mix, dynamic sampling, epochs, lr and its schedule), so it means the same recipe whatever the
+# shipped config holds (today: "mix3-ds-cos-4x8-lr2e-4-40ep").
 TWO_DIGIT = '--data.task_args={"digits": 2, "ops": "+"}'
+MIX33 = '--data.task_args=[{"digits": 2, "ops": "+"}, {"digits": [3, 3], "ops": "+"}]'
 MIX3 = ('--data.task_args=[{"digits": 2, "ops": "+"}, {"digits": [2, 3], "ops": "+"}, '
         '{"digits": [3, 3], "ops": "+"}]')
+PLAIN, DYNAMIC = "--data.dynamic_sampling=false", "--data.dynamic_sampling=true"
+CONSTANT_LR = "--model.scheduler=null"
+COSINE = ["--model.scheduler=torch.optim.lr_scheduler.CosineAnnealingLR", "--model.scheduler.T_max=40"]
 CANDIDATES: dict[str, list[str]] = {
-    "2digit-4x8-lr1e-4-30ep": [TWO_DIGIT, "--trainer.max_epochs=30", "--model.optimizer.init_args.lr=1e-4"],
-    "2digit-4x8-lr2e-4-40ep": [TWO_DIGIT, "--trainer.max_epochs=40", "--model.optimizer.init_args.lr=2e-4"],
-    "mix33-4x8-lr2e-4-40ep": ['--data.task_args=[{"digits": 2, "ops": "+"}, {"digits": [3, 3], "ops": "+"}]',
-                              "--trainer.max_epochs=40", "--model.optimizer.init_args.lr=2e-4"],
-    "mix3-4x8-lr2e-4-40ep": [MIX3, "--trainer.max_epochs=40", "--model.optimizer.init_args.lr=2e-4"],
-    "mix3-ds-4x8-lr2e-4-40ep": [MIX3, "--data.dynamic_sampling=true", "--trainer.max_epochs=40",
+    "2digit-4x8-lr1e-4-30ep": [TWO_DIGIT, PLAIN, CONSTANT_LR, "--trainer.max_epochs=30",
+                               "--model.optimizer.init_args.lr=1e-4"],
+    "2digit-4x8-lr2e-4-40ep": [TWO_DIGIT, PLAIN, CONSTANT_LR, "--trainer.max_epochs=40",
+                               "--model.optimizer.init_args.lr=2e-4"],
+    "mix33-4x8-lr2e-4-40ep": [MIX33, PLAIN, CONSTANT_LR, "--trainer.max_epochs=40", "--model.optimizer.init_args.lr=2e-4"],
+    "mix3-4x8-lr2e-4-40ep": [MIX3, PLAIN, CONSTANT_LR, "--trainer.max_epochs=40", "--model.optimizer.init_args.lr=2e-4"],
+    "mix3-ds-4x8-lr2e-4-40ep": [MIX3, DYNAMIC, CONSTANT_LR, "--trainer.max_epochs=40",
                                 "--model.optimizer.init_args.lr=2e-4"],
-    "mix3-ds-cos-4x8-lr2e-4-40ep": [MIX3, "--data.dynamic_sampling=true", "--trainer.max_epochs=40",
-                                    "--model.optimizer.init_args.lr=2e-4",
-                                    "--model.scheduler=torch.optim.lr_scheduler.CosineAnnealingLR",
-                                    "--model.scheduler.T_max=40"],
+    "mix3-ds-cos-4x8-lr2e-4-40ep": [MIX3, DYNAMIC, *COSINE, "--trainer.max_epochs=40",
+                                    "--model.optimizer.init_args.lr=2e-4"],
 }
 
 

@@ -10,7 +10,8 @@ adapter a run exported, and scores with the run's own validation reward:
   estimator of Chen et al. (2021): ``1 - C(n - c, k) / C(n, k)`` for a prompt
   with ``c`` correct answers out of ``n``, averaged over prompts.
 
-It prints one table row and, with ``--out``, writes the figures as JSON.
+It prints a table row for the validation prompts and one per ``data.val_slices``
+slice and, with ``--out``, writes the figures as JSON (the slices' under ``slices``).
 """
 
 from __future__ import annotations

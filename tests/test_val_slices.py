@@ -59,6 +59,17 @@ def test_slices_are_disjoint_from_training_and_of_their_own_form():
     assert len(data.val_dataloader()) == 3
 
 
+def test_a_slice_of_a_small_task_takes_what_it_has():
+    # 1-digit sums: 100 questions in all, fewer than the 4 x val_size spare rows a slice asks for first.
+    data = OnPolicyDataModule(task_args={"digits": 2, "ops": "+"}, train_size=100, val_size=64,
+                              val_slices={"1+1": {"digits": 1}})
+    data.setup()
+    assert len(data.val_slices["1+1"]) == 64
+    with pytest.raises(ValueError, match=r"data.val_slices\['1\+1'\]=.*exceeds the 100 distinct questions.*val_size=200"):
+        OnPolicyDataModule(task_args={"digits": 2, "ops": "+"}, train_size=300, val_size=200,
+                           val_slices={"1+1": {"digits": 1}}).setup()
+
+
 @pytest.mark.parametrize("source, slices, message", [
     ("arithmetic", {"a/b": {}}, r"data.val_slices\['a/b'\]=\{\}; expected a name without '/'"),
     ("arithmetic", {"1-digit": {"digits": 1, "ops": "+"}},

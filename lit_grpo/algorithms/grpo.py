@@ -401,7 +401,7 @@ class GRPOModule(PolicyModule):
         metric.update(scores.to(self.device))
         name = list(self.trainer.datamodule.val_sets())[dataloader_idx]
         self.log(name, metric, on_step=False, on_epoch=True, prog_bar=True, batch_size=len(completions),
-                 add_dataloader_idx=False)
+                 add_dataloader_idx=False, metric_attribute=f"val_accuracy.{dataloader_idx}")
 
     def answer(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[str]:
         """Greedy completions of left-padded prompts (what validation scores)."""

@@ -123,7 +123,13 @@ def held_out_slices(source: str, slices: dict[str, dict], task_args: dict | list
     held_out = {}
     for i, (name, options) in enumerate(slices.items()):
         base = task_args[0] if isinstance(task_args, list) else task_args or {}
-        raw = load_rows(source, "train", {**base, **options}, seed + 1 + i, 4 * size)
+        for n in (4 * size, size):  # spare rows for the ones training also drew; a small task may lack them
+            try:
+                raw = load_rows(source, "train", {**base, **options}, seed + 1 + i, n)
+                break
+            except ValueError as error:
+                if n == size:
+                    raise ValueError(f"data.val_slices[{name!r}]={options!r}: {error} (data.val_size={size})") from None
         rows = [row for row in rename_columns(raw, columns, source) if row["prompt"] not in taken]
         if not rows:
             raise ValueError(f"data.val_slices[{name!r}]={options!r}: every question it generates is also a "
