@@ -1,14 +1,19 @@
-"""The same prompts answered before and after training, side by side.
+"""Prompts answered greedily, as validation answers them.
 
 :func:`answer_rows` answers prompt rows greedily, exactly as validation does
 (the module's ``answer``, the DataModule's ``collate_val`` and
 ``score_validation``). :class:`BeforeAfterAnswers` calls it at the start and
-the end of fit, when the Trainer has loaded the policy and the prompts.
+the end of fit, when the Trainer has loaded the policy and the prompts, to show
+the same prompts answered before and after training side by side.
+:func:`greedy_accuracy` scores a whole held-out set with every rank sharing
+the work (the accuracy before training, and the benchmarks' evaluations).
 """
 
 from __future__ import annotations
 
 import lightning as L
+import torch
+from torchmetrics import MeanMetric
 
 
 def answer_rows(module: L.LightningModule, datamodule: L.LightningDataModule,
@@ -26,6 +31,28 @@ def answer_rows(module: L.LightningModule, datamodule: L.LightningDataModule,
     finally:
         module.train(was_training)
     return datamodule.full_completions(answers), datamodule.score_validation(batch["rows"], answers).tolist()
+
+
+def greedy_accuracy(module: L.LightningModule, datamodule: L.LightningDataModule, rows: list[dict]) -> float:
+    """Mean validation score of greedy answers to ``rows``, all ranks sharing the work.
+
+    Every rank answers the same number of batches (the last ranks' shares are
+    topped up with rows that weigh 0): under FSDP2 each batch gathers the
+    shards, a collective.
+    """
+    rank, world = module.global_rank, module.trainer.world_size
+    share = -(-len(rows) // world)
+    mine = rows[rank::world]
+    weights = [1.0] * len(mine) + [0.0] * (share - len(mine))
+    mine += rows[: share - len(mine)]
+    metric = MeanMetric().to(module.device)
+    size = datamodule.hparams.val_batch_size
+    for start in range(0, share, size):
+        batch = datamodule.collate_val(mine[start : start + size])
+        completions = module.answer(batch["prompt_ids"], batch["prompt_mask"])
+        scores = datamodule.score_validation(batch["rows"], completions)
+        metric.update(scores.to(module.device), torch.tensor(weights[start : start + size], device=module.device))
+    return float(metric.compute())
 
 
 class BeforeAfterAnswers(L.Callback):

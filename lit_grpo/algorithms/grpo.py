@@ -33,6 +33,7 @@ from lit_grpo.logprob_passes import completion_logprobs
 from lit_grpo.generation import Engine, GenerationSpec, build_engine
 from lit_grpo.policy import PolicySpec
 from lit_grpo.algorithms.base import PolicyModule
+from lit_grpo.answers import greedy_accuracy
 from lit_grpo.data.rollout_round import MAX_STATS
 
 # Loss types normalised by a count taken over the whole optimizer step on all
@@ -345,27 +346,9 @@ class GRPOModule(PolicyModule):
         self.epoch_started = time.perf_counter()
 
     def evaluate(self, rows: list[dict] | None = None) -> float:
-        """Greedy accuracy on ``rows``, by default the validation prompts (all ranks share the work).
-
-        Every rank answers the same number of batches (the last ranks' shares
-        are topped up with rows that weigh 0): under FSDP2 each batch gathers
-        the shards, a collective.
-        """
-        datamodule, rank, world = self.trainer.datamodule, self.global_rank, self.trainer.world_size
-        everyone = datamodule.val_rows if rows is None else rows
-        rows = everyone[rank::world]
-        weights = [1.0] * len(rows)
-        share = -(-len(everyone) // world)
-        rows += everyone[: share - len(rows)]
-        weights += [0.0] * (share - len(weights))
-        metric = MeanMetric().to(self.device)
-        size = datamodule.hparams.val_batch_size
-        for start in range(0, share, size):
-            batch = datamodule.collate_val(rows[start : start + size])
-            completions = self.answer(batch["prompt_ids"], batch["prompt_mask"])
-            scores = datamodule.score_validation(batch["rows"], completions)
-            metric.update(scores.to(self.device), torch.tensor(weights[start : start + size], device=self.device))
-        return float(metric.compute())
+        """Greedy accuracy on ``rows``, by default the validation prompts (see :func:`greedy_accuracy`)."""
+        datamodule = self.trainer.datamodule
+        return greedy_accuracy(self, datamodule, datamodule.val_rows if rows is None else rows)
 
     def on_train_epoch_end(self) -> None:
         # No collective here: only rank 0 reaches the progress bar's and our own

@@ -6,8 +6,9 @@ buffer (:mod:`~lit_grpo.data.buffer`); :class:`PreferenceDataModule`
 (:mod:`~lit_grpo.data.preferences`) serves fixed preference pairs for DPO.
 Both read prompts from :mod:`~lit_grpo.data.sources`: a built-in task
 (:mod:`~lit_grpo.data.tasks`, :mod:`~lit_grpo.data.word_problems`), a file or
-a hub dataset, and wrap them in the chat template (:mod:`~lit_grpo.data.prompts`). The DataModules are imported on first use, so that the tasks
-and sources import without Lightning.
+a hub dataset, and wrap them in the chat template (:mod:`~lit_grpo.data.prompts`).
+The DataModules are imported on first use, so that the tasks and sources
+import without Lightning.
 """
 
 from __future__ import annotations

@@ -170,8 +170,9 @@ class OnPolicyDataModule(L.LightningDataModule):
         self._choose_estimator()  # first: a group size the estimator refuses also breaks the budget
         self._check_prompt_budget()
         self.rewards.check_columns(list(self.train_rows[0]), hp.source)
+        val_reward = RewardCombiner([self.val_reward])
         for rows in self.val_sets().values():
-            RewardCombiner([self.val_reward]).check_columns(list(rows[0]), hp.source)
+            val_reward.check_columns(list(rows[0]), hp.source)
         check_prompt_lengths(self)
 
     def val_sets(self) -> dict[str, list[dict]]:

@@ -121,15 +121,16 @@ def held_out_slices(source: str, slices: dict[str, dict], task_args: dict | list
     if source not in TASKS:
         return {}  # ignored, with a warning (check_slices)
     held_out = {}
+    base = task_args[0] if isinstance(task_args, list) else task_args or {}
     for i, (name, options) in enumerate(slices.items()):
-        base = task_args[0] if isinstance(task_args, list) else task_args or {}
         for n in (4 * size, size):  # spare rows for the ones training also drew; a small task may lack them
             try:
                 raw = load_rows(source, "train", {**base, **options}, seed + 1 + i, n)
                 break
             except ValueError as error:
                 if n == size:
-                    raise ValueError(f"data.val_slices[{name!r}]={options!r}: {error} (data.val_size={size})") from None
+                    raise ValueError(f"data.val_slices[{name!r}]={options!r}: {error} "
+                                     f"(data.val_size={size})") from None
         rows = [row for row in rename_columns(raw, columns, source) if row["prompt"] not in taken]
         if not rows:
             raise ValueError(f"data.val_slices[{name!r}]={options!r}: every question it generates is also a "
