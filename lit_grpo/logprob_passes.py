@@ -213,7 +213,7 @@ def _shared_prompt_logits(model, prompts, inverse, prompt_mask, completion_ids, 
         for layer in cache.layers:  # written once: the prompt pass recomputed in backward keeps its own states
             layer.update = _own_states
         every_row = torch.arange(len(completion_ids), device=completion_ids.device)
-        chunks = [(every_row, 0, first[inverse])]
+        chunks = [(every_row, 0, first.index_select(0, inverse))]
         lengths = completion_mask.sum(-1)  # [N]
         for bucket in length_buckets(lengths):
             size = max(1, CHECKPOINTED_PASS_TOKENS // int(lengths[bucket].max())) if layers else len(bucket)
@@ -273,8 +273,12 @@ def _cache_rows(cache, rows: torch.Tensor):
     """
     selected = copy.copy(cache)
     selected.layers = [copy.copy(layer) for layer in cache.layers]
-    selected.batch_select_indices(rows)  # rebinds each copied layer's keys/values
     for layer in selected.layers:
+        # index_select, not the cache's own batch_select_indices (``keys[rows]``): the backward of
+        # advanced indexing accumulates with atomic float adds on a CPU with more than one thread,
+        # so its sum over a prompt's rows came out in a different order run to run; index_select's
+        # backward (index_add_) adds the rows in index order.
+        layer.keys, layer.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
         layer.update = functools.partial(_prefixed, layer.keys, layer.values)
     return selected
 

@@ -164,9 +164,8 @@ class OnPolicyDataModule(L.LightningDataModule):
                     f"data.val_size={hp.val_size} for validation and still train."
                 )
             self.train_rows, self.val_rows = rows[hp.val_size :], rows[: hp.val_size]
-        taken = {row["prompt"] for row in self.train_rows + self.val_rows}
         self.val_slices = held_out_slices(hp.source, hp.val_slices or {}, hp.task_args, hp.columns or {},
-                                          hp.seed, hp.val_size, taken)
+                                          hp.seed, hp.val_size, self.train_rows + self.val_rows)
         self._choose_estimator()  # first: a group size the estimator refuses also breaks the budget
         self._check_prompt_budget()
         self.rewards.check_columns(list(self.train_rows[0]), hp.source)

@@ -99,8 +99,8 @@ def check_slices(source: str, slices: dict[str, dict]) -> None:
 
 
 def held_out_slices(source: str, slices: dict[str, dict], task_args: dict | list[dict] | None,
-                    columns: dict[str, str], seed: int, size: int, taken: set[str]) -> dict[str, list[dict]]:
-    """Rows of ``data.val_slices``: ``size`` per slice, none of whose prompts is in ``taken``.
+                    columns: dict[str, str], seed: int, size: int, taken: list[dict]) -> dict[str, list[dict]]:
+    """Rows of ``data.val_slices``: ``size`` per slice, none of whose prompts is one of ``taken``'s.
 
     Args:
         source: The built-in task.
@@ -110,7 +110,7 @@ def held_out_slices(source: str, slices: dict[str, dict], task_args: dict | list
         columns: The column map.
         seed: The data seed; slice ``i`` is generated with ``seed + 1 + i``.
         size: Rows per slice.
-        taken: Prompts of the training and validation rows.
+        taken: The training and validation rows.
 
     Returns:
         Slice name -> rows; nothing for a source that is not a built-in task.
@@ -120,6 +120,8 @@ def held_out_slices(source: str, slices: dict[str, dict], task_args: dict | list
     """
     if source not in TASKS:
         return {}  # ignored, with a warning (check_slices)
+    # Read only here: a built-in task's prompts are strings, a file's may be message lists (unhashable).
+    taken = {row["prompt"] for row in taken}
     held_out = {}
     base = task_args[0] if isinstance(task_args, list) else task_args or {}
     for i, (name, options) in enumerate(slices.items()):
