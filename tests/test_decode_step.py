@@ -91,3 +91,27 @@ def test_matmul_fuses_and_packs_linear_layers():
         expected = torch.cat([q(x), k(x)], -1).detach()  # the missing bias counts as zeros
         torch.testing.assert_close(Matmul(q, k)(x), expected, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(Matmul(k)(x), k(x).detach(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.bfloat16), reason="this CPU cannot pack bf16 weights")
+def test_under_bf16_autocast_the_step_packs_in_bf16_and_follows_the_model():
+    # precision="bf16-mixed" runs greedy validation under CPU autocast: the prefill's cache comes out
+    # in bf16 and the step must multiply in bf16 too (fp32 packed weights got bf16 inputs and oneDNN
+    # refused: "could not create a primitive descriptor for the inner product").
+    model = build(LlamaConfig, LlamaForCausalLM)
+    ids, mask = left_padded()
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        assert llama_step_applies(model, ids.shape[1] + 4)
+        ours_cache, position, _ = prefill(model, ids, mask)
+        their_cache, _, _ = prefill(model, ids, mask)
+        ours, theirs = LlamaStep(model, ours_cache, mask, new_tokens=4), ModelStep(model, their_cache, mask)
+        assert all(m.dtype == torch.bfloat16 for m in ours.qkv + [ours.head])
+        tokens = torch.tensor([5, 6, 7])
+        for _ in range(4):
+            expected, got = theirs(tokens, position), ours(tokens, position)
+            assert got.dtype == expected.dtype == torch.bfloat16
+            # bf16 keeps 8 bits of mantissa; the two sum in other orders
+            torch.testing.assert_close(got.float(), expected.float(), rtol=0, atol=3e-2)
+            tokens, position = expected.argmax(-1), position + 1
+    step = LlamaStep(model, prefill(model, ids, mask)[0], mask, new_tokens=1)  # autocast off: the weights' dtype
+    assert step.head.dtype == torch.float32

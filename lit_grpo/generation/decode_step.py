@@ -76,20 +76,31 @@ class Matmul:
 
     Args:
         linears: Layers that read the same input; their outputs are concatenated.
+        dtype: The dtype to pack and multiply in (inputs are cast to it); the
+            weights' own by default.
     """
 
-    def __init__(self, *linears: nn.Linear) -> None:
+    def __init__(self, *linears: nn.Linear, dtype: torch.dtype | None = None) -> None:
         weight = torch.cat([m.weight for m in linears]) if len(linears) > 1 else linears[0].weight
+        self.dtype = dtype or weight.dtype
         biases = [m.bias for m in linears]
         if any(b is not None for b in biases):
             biases = [m.weight.new_zeros(len(m.weight)) if b is None else b for m, b in zip(linears, biases)]
-            self.bias = torch.cat(biases).detach()
+            self.bias = torch.cat(biases).detach().to(self.dtype)
         else:
             self.bias = None
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(self.dtype).contiguous())
 
     def __call__(self, x: Tensor) -> Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.weight, self.bias, "none", [], "")
+
+
+def step_dtype(weight: Tensor) -> torch.dtype:
+    """The dtype a decode step's matmuls run in: autocast's where autocast is on
+    (``precision="bf16-mixed"``: what the model's own forward would multiply in),
+    else the weights'."""
+    device = weight.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
 
 
 @functools.cache
@@ -122,12 +133,13 @@ class LlamaStep:
         config = model.config
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.layers, self.inner = model.model.layers, model.model
-        self.qkv = [Matmul(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
+        dtype = step_dtype(model.lm_head.weight)
+        self.qkv = [Matmul(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, dtype=dtype)
                     for layer in self.layers]
-        self.o = [Matmul(layer.self_attn.o_proj) for layer in self.layers]
-        self.gate_up = [Matmul(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in self.layers]
-        self.down = [Matmul(layer.mlp.down_proj) for layer in self.layers]
-        self.head = Matmul(model.lm_head)
+        self.o = [Matmul(layer.self_attn.o_proj, dtype=dtype) for layer in self.layers]
+        self.gate_up = [Matmul(layer.mlp.gate_proj, layer.mlp.up_proj, dtype=dtype) for layer in self.layers]
+        self.down = [Matmul(layer.mlp.down_proj, dtype=dtype) for layer in self.layers]
+        self.head = Matmul(model.lm_head, dtype=dtype)
         n, prompt = attention.shape
         self.length = prompt
         self.keys, self.values = [], []
@@ -183,8 +195,8 @@ def llama_step_applies(model: nn.Module, length: int) -> bool:
     attending to all ``length`` tokens (no shorter sliding window), whose
     projections and head are plain linear layers (an adapter, 4-bit layers or
     FSDP shards keep the model's own forward), on a CPU where its weights can
-    be packed (:func:`can_pack`; on a GPU transformers' forward is the one
-    measured).
+    be packed in the dtype the step multiplies in (:func:`can_pack`,
+    :func:`step_dtype`; on a GPU transformers' forward is the one measured).
     """
     config = getattr(model, "config", None)
     inner = getattr(model, "model", None)
@@ -200,7 +212,7 @@ def llama_step_applies(model: nn.Module, length: int) -> bool:
         projections += [getattr(layer.mlp, f"{name}_proj") for name in ("gate", "up", "down")]
     weight = model.lm_head.weight
     return (all(type(m) is nn.Linear for m in projections) and not _sharded(model)
-            and can_pack(weight.device, weight.dtype))
+            and can_pack(weight.device, step_dtype(weight)))
 
 
 def _sharded(model: nn.Module) -> bool:
