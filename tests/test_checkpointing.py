@@ -85,3 +85,20 @@ def test_cli_trainer_is_crash_safe_by_default(tmp_path, tiny_model_dir):
     (checkpoint,) = [c for c in cli.trainer.callbacks if isinstance(c, ModelCheckpoint)]
     assert checkpoint.save_last is True
     assert checkpoint.dirpath == str(tmp_path / "checkpoints")
+
+
+def test_atomic_folder_replaces_the_previous_export_or_keeps_it(tmp_path):
+    from lit_grpo.checkpointing import atomic_folder
+
+    target = tmp_path / "adapter"
+    with atomic_folder(target) as folder:
+        (folder / "weights").write_text("first")
+    assert (target / "weights").read_text() == "first"
+    with pytest.raises(RuntimeError), atomic_folder(target) as folder:
+        (folder / "weights").write_text("half")
+        raise RuntimeError("killed while writing")
+    assert (target / "weights").read_text() == "first"  # the previous export is intact
+    with atomic_folder(target) as folder:
+        (folder / "weights").write_text("second")
+    assert (target / "weights").read_text() == "second"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]  # nothing left beside it

@@ -15,16 +15,17 @@ import functools
 import re
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
-from lit_grpo.checkpointing import check_checkpoint
+from lit_grpo.checkpointing import atomic_folder, check_checkpoint
 from lit_grpo.distributed import full_tensors, reduce_across_ranks, shard
 from lit_grpo.policy import PolicySpec, build_policy, load_tokenizer
+from lit_grpo.refusals import constructed
 from lit_grpo.strategies import check_strategy
 from lit_grpo.training_guard import NonFiniteGuard
 
@@ -107,12 +108,12 @@ class PolicyModule(L.LightningModule):
     def configure_optimizers(self):
         params = self.trainable_parameters()
         optimizer = (
-            self.optimizer_factory(params) if self.optimizer_factory
+            constructed("model.optimizer.init_args", self.optimizer_factory, params) if self.optimizer_factory
             else torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0)
         )
         if self.scheduler_factory is None:
             return optimizer
-        scheduler = self.scheduler_factory(optimizer)
+        scheduler = constructed("model.scheduler.init_args", self.scheduler_factory, optimizer)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
@@ -176,16 +177,28 @@ class PolicyModule(L.LightningModule):
         ``PeftModel.from_pretrained(base_model, path)`` reloads it. Under full
         fine-tuning the whole model is written instead. Call it on every rank:
         FSDP2-sharded trainable weights are gathered first (a collective);
-        rank 0 writes.
+        rank 0 writes, into a temporary folder that then replaces ``path``
+        (:func:`~lit_grpo.checkpointing.atomic_folder`): a run killed while
+        exporting leaves the previous export or none, never a part of one.
         """
         path = Path(path)
+        write = self.export_writer()
+        if self.global_rank == 0:
+            with atomic_folder(path) as folder:
+                write(folder)
+        return path
+
+    def export_writer(self) -> Callable[[Path], None]:
+        """Gather what :meth:`export_adapter` writes (on every rank) and return what writes it into a folder."""
         state = None
         if self.device_mesh is not None:
             state = full_tensors((name, p) for name, p in self.policy.named_parameters() if p.requires_grad)
-        if self.global_rank == 0:
-            self.policy.save_pretrained(path, state_dict=state)
-            self.tokenizer.save_pretrained(path)
-        return path
+
+        def write(folder: Path) -> None:
+            self.policy.save_pretrained(folder, state_dict=state)
+            self.tokenizer.save_pretrained(folder)
+
+        return write
 
 
 @functools.cache

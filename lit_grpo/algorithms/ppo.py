@@ -34,7 +34,7 @@ import contextlib
 import copy
 import inspect
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -232,29 +232,31 @@ class PPOModule(GRPOModule):
         self.train(was_training)
         return values
 
-    def export_adapter(self, path: str | Path) -> Path:
+    def export_writer(self) -> Callable[[Path], None]:
         """Write the actor as :meth:`PolicyModule.export_adapter` does, and the critic beside it.
 
-        ``path`` holds the actor's adapter and the tokenizer; ``path/critic``
+        The folder holds the actor's adapter and the tokenizer; ``critic/``
         the critic: its LoRA adapter (on the policy's base for the shared
         critic, on ``critic``'s base for a separate one; ``load_adapter`` or
         ``PeftModel.from_pretrained`` reloads it) or, fully fine-tuned, the
         whole model, plus ``value_head.safetensors`` (``weight [1, H]``,
-        ``bias [1]``). Call it on every rank: FSDP2-sharded weights are
-        gathered first (a collective); rank 0 writes.
+        ``bias [1]``). FSDP2-sharded weights are gathered on every rank.
         """
-        path = super().export_adapter(path)  # peft writes the shared critic's adapter to path/critic itself
-        folder = path / CRITIC
+        write_actor = super().export_writer()  # peft writes the shared critic's adapter to critic/ itself
         state = None
         if self.critic_model is not None and self.device_mesh is not None:
             state = full_tensors((name, p) for name, p in self.critic_model.named_parameters() if p.requires_grad)
         head = full_tensors(self.value_head.state_dict().items())
-        if self.global_rank == 0:
+
+        def write(folder: Path) -> None:
+            write_actor(folder)
+            critic = folder / CRITIC
             if self.critic_model is not None:
-                self.critic_model.save_pretrained(folder, state_dict=state)
-            folder.mkdir(parents=True, exist_ok=True)
-            save_file({k: v.contiguous() for k, v in head.items()}, folder / VALUE_HEAD_FILE)
-        return path
+                self.critic_model.save_pretrained(critic, state_dict=state)
+            critic.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in head.items()}, critic / VALUE_HEAD_FILE)
+
+        return write
 
     # --------------------------------------------------------------- training
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:

@@ -33,6 +33,7 @@ from lit_grpo.distributed import gather_to_rank_zero
 from lit_grpo.data.rollout_round import ESTIMATORS, RolloutResult, collect_rollout
 from lit_grpo.data.prompts import chat_prompts, check_prompt_lengths, columns_of
 from lit_grpo.data.sources import check_slices, held_out_slices, load_rows, rename_columns
+from lit_grpo.data.tasks import TooFewQuestions
 
 
 class OnPolicyDataModule(L.LightningDataModule):
@@ -152,7 +153,12 @@ class OnPolicyDataModule(L.LightningDataModule):
             return
         hp = self.hparams
         columns = hp.columns or {}
-        raw = load_rows(hp.source, hp.split, hp.task_args, hp.seed, hp.train_size + hp.val_size)
+        try:
+            raw = load_rows(hp.source, hp.split, hp.task_args, hp.seed, hp.train_size + hp.val_size)
+        except TooFewQuestions as error:
+            raise ValueError(f"data.train_size={hp.train_size} + data.val_size={hp.val_size} rows asked of "
+                             f"data.source={hp.source!r}: {error} Lower data.train_size, or widen "
+                             "data.task_args (more digits or ops).") from None
         rows = rename_columns(raw, columns, hp.source)
         if hp.val_split is not None:
             val = rename_columns(load_rows(hp.source, hp.val_split, None, hp.seed, None), columns, hp.source)

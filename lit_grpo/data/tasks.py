@@ -76,6 +76,14 @@ def _slip(right: int, rng: random.Random) -> int:
     return rng.choice(sorted(candidates))
 
 
+class TooFewQuestions(ValueError):
+    """A built-in task asked for more distinct questions than it has (``capacity``)."""
+
+    def __init__(self, message: str, capacity: int) -> None:
+        super().__init__(message)
+        self.capacity = capacity
+
+
 def _operands(n: int, seed: int, digits: int | list[int], ops: str) -> list[tuple[int, str, int]]:
     """``n`` distinct ``(a, op, b)`` triples with ``digits``-digit operands (one count, or one each)."""
     bad = set(ops) - set(_OPS)
@@ -88,7 +96,8 @@ def _operands(n: int, seed: int, digits: int | list[int], ops: str) -> list[tupl
     (low_a, high_a), (low_b, high_b) = [(0 if d == 1 else 10 ** (d - 1), 10**d - 1) for d in counts]
     capacity = (high_a - low_a + 1) * (high_b - low_b + 1) * len(ops)
     if n > capacity:
-        raise ValueError(f"arithmetic task: n={n} exceeds the {capacity} distinct questions.")
+        raise TooFewQuestions(f"arithmetic task with digits={digits!r}, ops={ops!r}: {n} questions asked, "
+                              f"it has {capacity} distinct ones.", capacity)
     rng = random.Random(seed)
     seen: dict[tuple[int, str, int], None] = {}  # insertion-ordered set
     while len(seen) < n:
