@@ -25,7 +25,12 @@ def letter_share(prompts, completions, **columns):
     return [sum(ch.isalpha() for ch in text) / max(len(text), 1) for text in completions]
 
 
+GROUP = [False]  # Chaos(group=True): kill every rank of the run at once (its process group)
+
+
 def die() -> None:
+    if GROUP[0]:
+        os.killpg(os.getpgid(0), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -51,11 +56,14 @@ class Chaos(L.Callback):
             step ``index``), ``export`` (half-way through the adapter file).
         epoch: The epoch in which to strike (not used by ``checkpoint``/``export``).
         index: See ``phase``.
+        group: Kill the whole process group (every rank of a multi-process run started in a
+            session of its own), not only this process.
     """
 
-    def __init__(self, phase: str, epoch: int = 0, index: int = 0) -> None:
+    def __init__(self, phase: str, epoch: int = 0, index: int = 0, group: bool = False) -> None:
         self.phase, self.epoch, self.index = phase, epoch, index
         self.batch_idx = -1
+        GROUP[0] = group
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.phase == "rollout":

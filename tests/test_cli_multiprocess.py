@@ -188,3 +188,35 @@ def test_sigterm_ends_every_rank_even_inside_a_collective(tiny_model_dir, tmp_pa
     assert code == 128 + signal.SIGTERM, output[-3000:]
     assert time.monotonic() - sent < 40
     assert "ending this process and its child ranks" in output
+
+
+def test_fsdp2_killed_inside_epochs_resumes_from_its_sharded_checkpoints_to_the_same_adapter(tiny_model_dir,
+                                                                                          tmp_path):
+    # Both ranks SIGKILLed at once (the run's process group) inside an epoch, twice; each time resumed
+    # with --ckpt_path last from the sharded checkpoint of the step before. 4 steps per epoch.
+    def run(root: Path, *extra: str) -> tuple[int, str]:
+        return finish(start([
+            "--config", "configs/quickstart.yaml", "--trainer.strategy", "ModelParallelStrategy",
+            *cli_args(tiny_model_dir, root, "--trainer.logger", "false", "--trainer.callbacks=[]",
+                      "--data.prompts_per_epoch", "4", "--data.batch_size", "4",
+                      "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+                      f"--trainer.callbacks.dirpath={root / 'checkpoints'}",
+                      "--trainer.callbacks.every_n_train_steps=1", "--trainer.callbacks.save_last=true", *extra),
+        ]))
+
+    code, output = run(tmp_path / "straight")
+    assert code == 0, output[-6000:]
+    chaos = tmp_path / "chaos"
+    for epoch, index in ((0, 2), (1, 1)):
+        code, output = run(chaos, "--ckpt_path", "last", "--trainer.callbacks+=chaos.Chaos",
+                           "--trainer.callbacks.phase=backward", f"--trainer.callbacks.epoch={epoch}",
+                           f"--trainer.callbacks.index={index}", "--trainer.callbacks.group=true")
+        assert code == -9, f"backward {epoch} {index} did not strike:\n{output[-3000:]}"
+        assert list((chaos / "checkpoints" / "last.ckpt").glob("*.distcp"))  # sharded
+    code, output = run(chaos, "--ckpt_path", "last")
+    assert code == 0, output[-6000:]
+    expected, actual = (load_file(root / "adapter" / "adapter_model.safetensors")
+                        for root in (tmp_path / "straight", chaos))
+    assert any(t.abs().max() > 0 for name, t in expected.items() if "lora_B" in name)  # it trained
+    for name in expected:
+        assert torch.equal(expected[name], actual[name]), name
