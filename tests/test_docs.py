@@ -161,3 +161,8 @@ def test_the_readme_shows_the_command_ci_runs():
     ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.startswith("python3 -m pip")]
     readme_blocks = [body for _, body in FENCE.findall((ROOT / "README.md").read_text())]
     assert len(ci) == 1 and any(ci[0] in body.splitlines() for body in readme_blocks), ci
+
+
+def test_the_readme_stays_a_front_page():
+    # The depth lives in docs/ (issue 30): a README past this length buries what lit_grpo is.
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 250
