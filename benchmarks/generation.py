@@ -19,7 +19,7 @@ pays only where the CPU or GPU has bf16 matrix units (part 1 shows it).
     python benchmarks/generation.py --part step --shapes 1x8x256 8x8x256
     python benchmarks/generation.py --part sampling --shapes 8x8x256 --engines "native fp32" "vllm fp32"
 
-vLLM needs the extra (README, "Sampling with vLLM"); without it its rows are
+vLLM needs the extra (docs/engines.md, "The vLLM engine"); without it its rows are
 left out. Run it alone on the machine.
 """
 

@@ -4,7 +4,7 @@ and what was expected (none surfaces as a traceback from inside torch/transforme
 Each test triggers one mistake at the earliest point it can be caught (a
 constructor, ``DataModule.setup``, the CLI before the first rollout) and checks
 the message; through ``lit-grpo`` it checks the last line of stderr and the
-exit code (2: the user's to fix; 1: a bug, traceback kept). The README's
+exit code (2: the user's to fix; 1: a bug, traceback kept). docs/errors.md's
 "Errors you may meet" table lists every case here.
 """
 

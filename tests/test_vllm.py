@@ -1,6 +1,6 @@
 """The vLLM engine on vLLM's CPU build (marked ``vllm``; skipped where vLLM is not installed).
 
-Run them with the extra installed (README, "Sampling with vLLM"):
+Run them with the extra installed (docs/engines.md, "The vLLM engine"):
 ``python3 -m pytest -m vllm tests/test_vllm.py``. The model is a tiny random
 Llama whose heads are 64 wide (vLLM's CPU attention has no kernel for the
 8-wide heads of the other tests' model), initialised with a larger spread so

