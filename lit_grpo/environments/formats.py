@@ -65,7 +65,12 @@ class CallFormat(Protocol):
         """The calls in one assistant turn's text; ``[]`` when none; a str is an error observation."""
 
     def system_prompt(self, tokenizer, messages: list[dict], tools: list[dict]) -> list[dict]:
-        """The prompt ``messages`` with ``tools`` (JSON schemas) described to the model."""
+        """The prompt ``messages`` with ``tools`` (JSON schemas) described to the model.
+
+        Render the result with ``apply_chat_template(messages, tools=tools,
+        add_generation_prompt=True)`` whatever the format: the template-native
+        one leaves the description to the template's ``tools`` block.
+        """
 
     def results_text(self, tokenizer, results: list[ToolResult]) -> str:
         """The text appended after a turn that ended at ``stop``: tool messages + generation header."""
@@ -186,9 +191,9 @@ def _learn_template_format(tokenizer) -> TemplateFormat | None:
     except Exception:
         return None
     head, _, turn_end = with_text.partition(_SENTINEL)
-    if not with_call.startswith(head) or not turn_end or not with_call.endswith(turn_end):
+    if not head or not with_call.startswith(head):
         return None
-    written = with_call[len(head):len(with_call) - len(turn_end)]
+    written = with_call[len(head):]
     start = written.find("{")
     try:
         value, end = json.JSONDecoder().raw_decode(written, start)
@@ -197,7 +202,8 @@ def _learn_template_format(tokenizer) -> TemplateFormat | None:
     keys = [key for key, item in value.items() if item == _PROBE_ARGS] if isinstance(value, dict) else []
     if value.get("name") != _PROBE_TOOL or not keys:
         return None
-    opener, closer = written[:start].strip(), written[end:].strip()
+    tail, marker = written[end:], turn_end.strip()  # the closer, then the template's end of turn
+    opener, closer = written[:start].strip(), (tail.split(marker, 1)[0] if marker else tail).strip()
     stop = closer or turn_end.strip() or tokenizer.eos_token
     return TemplateFormat(opener, closer, keys[0], stop)
 
