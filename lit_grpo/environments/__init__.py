@@ -10,11 +10,14 @@
   ``GuessNumber`` game.
 """
 
+from lit_grpo.environments.factory import Environment, EnvironmentFactory
 from lit_grpo.environments.formats import CallFormat, HermesFormat, TemplateFormat, call_format
 from lit_grpo.environments.toolbox import ToolCall, ToolResult, Toolbox, run_concurrently
 
 __all__ = [
     "CallFormat",
+    "Environment",
+    "EnvironmentFactory",
     "HermesFormat",
     "TemplateFormat",
     "ToolCall",

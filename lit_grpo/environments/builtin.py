@@ -4,7 +4,10 @@
   ``ast`` (never ``eval``), with bounds so ``9**9**9`` is refused at once.
 * :func:`python`: runs the model's program in the sandbox of the
   ``code_unit_tests`` reward (:class:`~lit_grpo.rewards.sandbox.Sandbox`:
-  no network, CPU/memory/process limits, a wall-clock kill).
+  no network, CPU/memory/process limits, a wall-clock kill after
+  :data:`PYTHON_TIMEOUT`). The sandbox runs one program per CPU at a time;
+  a call waiting for a free slot spends its toolbox timeout waiting, so with
+  many episodes calling at once on few cores raise ``data.tool_timeout``.
 * :class:`GuessNumber`: find a secret number with higher/lower feedback; its
   rows come from :func:`guess_number` (the ``guess_number`` built-in task).
 """
@@ -113,7 +116,7 @@ def python(code: str) -> str:
 
 
 def _clip(text: str, keep_end: bool = False) -> str:
-    """``text`` cut to :data:`PYTHON_OUTPUT_CHARS`: the start of output, the end of an error (the traceback's last line)."""
+    """``text`` cut to :data:`PYTHON_OUTPUT_CHARS`: the start of output, the end of an error (its last line)."""
     if len(text) <= PYTHON_OUTPUT_CHARS:
         return text
     note = f"[... {len(text) - PYTHON_OUTPUT_CHARS} characters cut ...]"
@@ -136,9 +139,12 @@ def guess_number(n: int, seed: int, low: int = 1, high: int = 10) -> list[dict]:
     if not low < high:
         raise ValueError(f"guess_number task: low={low}, high={high}; expected low < high.")
     rng = random.Random(seed)
-    prompt = f"I am thinking of a whole number from {low} to {high}. Find it, then tell me the number."
-    return [{"prompt": prompt, "secret": s, "low": low, "high": high, "answer": str(s)}
-            for s in (rng.randint(low, high) for _ in range(n))]
+    rows = []
+    for game in range(1, n + 1):  # numbered: the data module tells rows apart by their prompts
+        secret = rng.randint(low, high)
+        prompt = f"Game {game}: I am thinking of a whole number from {low} to {high}. Find it, then tell me the number."
+        rows.append({"prompt": prompt, "secret": secret, "low": low, "high": high, "answer": str(secret)})
+    return rows
 
 
 class GuessNumber:
@@ -177,7 +183,7 @@ class GuessNumber:
         if not self.low <= int(secret) <= self.high:
             raise ValueError(f"secret={secret!r} is outside the range {self.low}..{self.high}")
         self.secret, self.guesses, self.solved = int(secret), 0, False
-        return (f"\nYou have {self.max_guesses} guesses. Call the guess tool with a number; it answers "
+        return (f"You have {_guesses(self.max_guesses)}. Call the guess tool with a number; it answers "
                 "higher, lower or correct.")
 
     def guess(self, number: int) -> str:
@@ -197,11 +203,14 @@ class GuessNumber:
         if number == self.secret:
             self.solved = True
             return "correct"
-        left = self.max_guesses - self.guesses
-        return f"{'higher' if number < self.secret else 'lower'} ({left} guess{'es' * (left != 1)} left)"
+        return f"{'higher' if number < self.secret else 'lower'} ({_guesses(self.max_guesses - self.guesses)} left)"
 
     def get_reward(self) -> float:
         """1 plus a bonus for fewer guesses when solved, else 0 (formula in the class docstring)."""
         if not self.solved:
             return 0.0
         return 1.0 + 0.5 * (self.max_guesses - self.guesses) / max(self.max_guesses - 1, 1)
+
+
+def _guesses(count: int) -> str:
+    return f"{count} guess{'es' * (count != 1)}"
