@@ -134,3 +134,21 @@ def test_a_tool_run_resumed_inside_an_epoch_ends_where_the_straight_run_does(tmp
     resumed, _ = run(ckpt_path=inside)
     ours, theirs = adapter(resumed), adapter(straight)
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+class Guesses(Scripted):
+    def parse(self, text: str):
+        return [ToolCall("guess", {"number": 5})] if self.stop in text else []
+
+
+def test_an_environment_per_episode_owns_the_reward_and_its_reset_joins_the_prompt(tmp_path, tiny_model_dir):
+    module, data = make(tiny_model_dir, fmt=Guesses(" "), source="guess_number", task_args={"low": 1, "high": 10},
+                        environment={"class_path": "lit_grpo.environments.builtin.GuessNumber",
+                                     "init_args": {"max_guesses": 2}}, rewards=[], max_turns=3, max_episode_tokens=60)
+    trainer = fit(tmp_path, module, data, epochs=1)
+    assert "reward/environment" in trainer.callback_metrics
+    assert "Call the guess tool" in data.format_prompts(data.train_rows[:1])[0]
+    turns = [m for sample in data.last_result.samples for m in sample[3] if m["role"] == "tool"]
+    assert turns and all(m["content"].startswith(("higher", "lower", "correct", "No guesses")) for m in turns)
+    with pytest.raises(ValueError, match="data.rewards is empty and data.environment has no get_reward"):
+        OnPolicyDataModule(tools=[CALCULATOR], rewards=[])

@@ -86,12 +86,20 @@ class EpisodeSetup:
         self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
         self.format = None  # the tokenizer's call format, learnt at first use
 
-    def rewards(self, combiner: RewardCombiner, environment_weight: float) -> RewardCombiner:
-        """``combiner``'s rewards over episodes, plus the environment's own when it has one."""
-        entries = [_Episodic(fn, name, weight, _reads_text(fn)) for name, fn, weight in combiner.entries]
+    def rewards(self, rewards: list, environment_weight: float) -> RewardCombiner:
+        """``rewards`` over episodes, plus the environment's own when it has one.
+
+        Raises:
+            ValueError: No reward at all (``data.rewards`` empty, no ``get_reward``).
+        """
+        entries = [_Episodic(fn, name, weight, _reads_text(fn))
+                   for name, fn, weight in (RewardCombiner(rewards).entries if rewards else [])]
         if self.factory is not None and self.factory.has_reward:
             entries.append(EnvironmentReward(environment_weight))
-        return RewardCombiner(entries, on_error=combiner.on_error)
+        if not entries:
+            raise ValueError("data.rewards is empty and data.environment has no get_reward(); give the episodes "
+                             "a reward (a reward function, or an environment that scores them).")
+        return RewardCombiner(entries)
 
     def check(self, rows: list[dict]) -> None:
         """Reset an environment on every row, so a failing ``reset`` stops the run before training."""

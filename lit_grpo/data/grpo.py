@@ -145,7 +145,7 @@ class OnPolicyDataModule(L.LightningDataModule):
         super().__init__()
         self.save_hyperparameters(ignore=["rewards", "val_reward", "sampling"])
         self.sampling = sampling or SamplingSpec()
-        self.rewards = RewardCombiner(rewards if rewards is not None else [Accuracy(), Format()])
+        rewards = rewards if rewards is not None else [Accuracy(), Format()]
         self.val_reward = val_reward or Accuracy()
         for name, value in (("prompts_per_epoch", prompts_per_epoch), ("batch_size", batch_size),
                             ("num_iterations", num_iterations), ("val_size", val_size), ("max_turns", max_turns)):
@@ -172,7 +172,8 @@ class OnPolicyDataModule(L.LightningDataModule):
                 raise ValueError(f"data.max_episode_tokens={cap} < sampling.max_new_tokens="
                                  f"{self.sampling.max_new_tokens}; expected a cap on the whole episode.")
             self.episodes = EpisodeSetup(tools, environment, max_turns, tool_timeout, cap)
-            self.rewards = self.episodes.rewards(self.rewards, environment_reward_weight)
+        self.rewards = (RewardCombiner(rewards) if self.episodes is None
+                        else self.episodes.rewards(rewards, environment_reward_weight))
 
     # ----------------------------------------------------------------- set-up
     def setup(self, stage: str | None = None) -> None:
