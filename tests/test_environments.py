@@ -65,6 +65,21 @@ def fails(message: str) -> str:
     raise KeyError(message)
 
 
+def _hanging_tool(release: threading.Event):
+    """A tool that blocks until ``release`` is set (or its argument's seconds pass)."""
+
+    def hang(seconds: float) -> str:
+        """Hangs.
+
+        Args:
+            seconds: At most this long.
+        """
+        release.wait(seconds)
+        return "woke"
+
+    return hang
+
+
 # --------------------------------------------------------------------------- Toolbox
 def test_schema_of_a_typed_tool_is_transformers_json_schema():
     toolbox = Toolbox([add, nap])
@@ -143,16 +158,7 @@ def test_returns_that_are_not_text(kind, content, error):
 
 def test_a_hanging_tool_times_out_and_the_caller_goes_on():
     release = threading.Event()
-
-    def hang(seconds: float) -> str:
-        """Hangs.
-
-        Args:
-            seconds: At most this long.
-        """
-        release.wait(seconds)
-        return "woke"
-
+    hang = _hanging_tool(release)
     toolbox = Toolbox([hang, add], timeout=0.3)
     start = time.monotonic()
     hung, after = toolbox.run([ToolCall("hang", {"seconds": 30}), ToolCall("add", {"a": 1, "b": 1})])
@@ -176,6 +182,18 @@ def test_episodes_run_concurrently():
     assert [[r.content for r in episode] for episode in results] == [["slept 1.0"], [], ["slept 1.0"]]
     assert elapsed < 1.8  # two 1-s calls of different episodes overlap; in series they would take 2 s
     assert run_concurrently([]) == []
+
+
+def test_a_hung_episode_does_not_hold_up_the_others():
+    release = threading.Event()
+    hang = _hanging_tool(release)
+    start = time.monotonic()
+    hung, quick = run_concurrently([(Toolbox([hang], timeout=0.5), [ToolCall("hang", {"seconds": 30})]),
+                                    (Toolbox([nap]), [ToolCall("nap", {"seconds": 0.2})])])
+    elapsed = time.monotonic() - start
+    release.set()
+    assert hung[0].timed_out and quick[0].content == "slept 0.2"
+    assert elapsed < 1.5  # the 0.5-s timeout, not the 30-s hang
 
 
 def test_timeout_must_be_positive():
