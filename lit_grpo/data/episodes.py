@@ -135,6 +135,7 @@ class EpisodeSetup:
         return ids, mask, spec, environments
 
     def call_format(self, tokenizer):
+        """How ``tokenizer``'s model writes calls (:func:`lit_grpo.environments.call_format`), probed once."""
         if self.format is None:
             self.format = call_format(tokenizer)
         return self.format
