@@ -4,12 +4,13 @@ Part 1 (``overhead``): the same prompts (no tool described, so none is called)
 sampled as single-turn completions and as episodes with the calculator
 configured; the outputs must be equal and the time within a few percent.
 
-Part 2 (``turns``): episodes that do call the calculator (the reply opened with
-the call, configs/tools.yaml's prefix), run by the engine as it ships, which
+Part 2 (``turns``): episodes that do call the calculator (configs/tools.yaml's
+start: its system prompt and reply prefix), run by the engine as it ships, which
 continues from its KV cache after each turn's tool tokens; then the same
-trajectories re-read the way an engine without a persistent cache must: every
-turn prefills the prompt and the whole trajectory so far, then decodes as many
-steps as that turn took. Seconds per turn for each.
+trajectories re-read the way an engine without a persistent cache must: the
+first turn as the shipped engine runs it (each prompt prefilled once for its
+group), every later turn prefilling each row's prompt and whole trajectory so
+far, then decoding as many steps as that turn took. Seconds per turn for each.
 
     python benchmarks/episodes.py --prompts 4 --group 8 --repeats 3
 
@@ -23,6 +24,7 @@ import statistics
 import time
 
 import torch
+import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_grpo.data.tasks import arithmetic
@@ -32,13 +34,14 @@ from lit_grpo.generation.episodes import EpisodeSpec
 from lit_grpo.generation.rollout import SamplingSpec, encode_prompts, generate
 from lit_grpo.policy import embedded_model_dir
 
-PREFIX = '<tool_call>{"name": "calculator", "arguments": {"expression": "'
+START = yaml.safe_load(open("configs/tools.yaml"))["data"]
 
 
-def prompts(tokenizer, rows, fmt, toolbox, prefix):
+def prompts(tokenizer, rows, fmt, toolbox, prefix, system=None):
     texts = []
     for row in rows:
-        messages = [{"role": "user", "content": row["prompt"]}]
+        messages = [{"role": "system", "content": system}] if system else []
+        messages.append({"role": "user", "content": row["prompt"]})
         if toolbox is not None:
             messages = fmt.system_prompt(tokenizer, messages, toolbox.schemas)
         texts.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + prefix)
@@ -69,17 +72,17 @@ def overhead(model, tokenizer, rows, group, repeats, new_tokens):
 
 def turns(model, tokenizer, rows, group, repeats, new_tokens):
     fmt, toolbox = call_format(tokenizer), Toolbox([calculator])
-    ids, mask = prompts(tokenizer, rows, fmt, toolbox, PREFIX)
+    prefix = START["completion_prefix"]
+    ids, mask = prompts(tokenizer, rows, fmt, toolbox, prefix, START["system_prompt"])
     sampling = SamplingSpec(group_size=group, max_new_tokens=new_tokens)
-    spec = EpisodeSpec([toolbox] * (len(rows) * group), fmt, 2, 2 * new_tokens, PREFIX)
+    spec = EpisodeSpec([toolbox] * (len(rows) * group), fmt, 2, 2 * new_tokens, prefix)
     kv, reread, counted = [], [], []
     for _ in range(repeats):
         torch.manual_seed(0)
         episode = generate(model, tokenizer, ids, mask, sampling, episodes=spec)
         n_turns = max(r.turns for r in episode.episodes)
         kv.append(episode.seconds / n_turns)
-        reread.append(_reread_seconds(model, tokenizer, ids.repeat_interleave(group, 0),
-                                      mask.repeat_interleave(group, 0), episode) / n_turns)
+        reread.append(_reread_seconds(model, tokenizer, ids, mask, group, episode) / n_turns)
         counted.append((n_turns, sum(r.tool_calls for r in episode.episodes)))
     print(f"| {len(rows)}x{group} episodes, {counted[0][1]} calls, {counted[0][0]} turns | s per turn |")
     print("|---|---|")
@@ -87,14 +90,19 @@ def turns(model, tokenizer, rows, group, repeats, new_tokens):
     print(f"| re-reading prompt + trajectory each turn | {statistics.median(reread):.2f} |")
 
 
-def _reread_seconds(model, tokenizer, ids, mask, episode) -> float:
-    """Prefill prompt + trajectory before each turn, then decode that turn's steps (greedy, EOS ignored)."""
+def _reread_seconds(model, tokenizer, ids, mask, group, episode) -> float:
+    """The first turn from the grouped prompts, then prefill prompt + trajectory before each later
+    turn; each turn decodes as many steps as it took (greedy, EOS ignored)."""
     model_mask, attention = episode.completion_mask, episode.completion_attention
     # where each row's turns start: after the prompt, and after every run of tool tokens
     starts = [[0] + [t for t in range(1, int(a.sum())) if m[t] == 1 and m[t - 1] == 0]
               for m, a in zip(model_mask, attention)]
-    seconds = 0.0
-    for turn in range(max(len(s) for s in starts)):
+    steps = max(int(m.cumprod(0).sum()) for m in model_mask)
+    start = time.perf_counter()
+    generate(model, tokenizer, ids, mask, SamplingSpec(group_size=group, max_new_tokens=steps, ignore_eos=True))
+    seconds = time.perf_counter() - start
+    ids, mask = ids.repeat_interleave(group, 0), mask.repeat_interleave(group, 0)
+    for turn in range(1, max(len(s) for s in starts)):
         rows = [i for i, s in enumerate(starts) if len(s) > turn]
         texts = [torch.cat([ids[i, mask[i].bool()], episode.completion_ids[i, : starts[i][turn]]]) for i in rows]
         width = max(len(t) for t in texts)
