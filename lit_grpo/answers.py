@@ -27,7 +27,7 @@ def answer_rows(module: L.LightningModule, datamodule: L.LightningDataModule,
     was_training = module.training
     module.eval()
     try:
-        answers = module.answer(batch["prompt_ids"], batch["prompt_mask"])
+        answers = module.answer(batch["prompt_ids"], batch["prompt_mask"], batch.get("episodes"))
     finally:
         module.train(was_training)
     return datamodule.full_completions(answers), datamodule.score_validation(batch["rows"], answers).tolist()
@@ -49,7 +49,7 @@ def greedy_accuracy(module: L.LightningModule, datamodule: L.LightningDataModule
     size = datamodule.hparams.val_batch_size
     for start in range(0, share, size):
         batch = datamodule.collate_val(mine[start : start + size])
-        completions = module.answer(batch["prompt_ids"], batch["prompt_mask"])
+        completions = module.answer(batch["prompt_ids"], batch["prompt_mask"], batch.get("episodes"))
         scores = datamodule.score_validation(batch["rows"], completions)
         metric.update(scores.to(module.device), torch.tensor(weights[start : start + size], device=module.device))
     return float(metric.compute())

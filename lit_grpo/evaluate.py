@@ -9,6 +9,9 @@ adapter a run exported, and scores with the run's own validation reward:
   temperature) and pass@k for each ``--pass_k`` k <= n, by the unbiased
   estimator of Chen et al. (2021): ``1 - C(n - c, k) / C(n, k)`` for a prompt
   with ``c`` correct answers out of ``n``, averaged over prompts.
+* with tools or an environment (``data.tools``, ``data.environment``): the
+  same episodes training runs, and beside the accuracy the greedy episodes'
+  tool use (``tool_calls``, ``tool_errors`` per episode, ``turns_mean``).
 
 It prints a table row for the validation prompts and one per ``data.val_slices``
 slice and, with ``--out``, writes the figures as JSON (the slices' under ``slices``).
@@ -28,6 +31,7 @@ from tqdm.auto import tqdm
 
 from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.data.grpo import OnPolicyDataModule
+from lit_grpo.generation.episodes import episode_stats
 from lit_grpo.policy import LoraSpec
 
 
@@ -73,7 +77,7 @@ def evaluate(module: GRPOModule, datamodule: OnPolicyDataModule, samples: int, p
     module and DataModule."""
     rows = datamodule.val_rows if rows is None else rows
     size = datamodule.hparams.val_batch_size
-    greedy, passes = [], {k: [] for k in pass_k}
+    greedy, passes, records = [], {k: [] for k in pass_k}, []
     sampling = datamodule.sampling
     bar = tqdm(total=len(rows), desc="eval", unit="prompt", disable=not progress, dynamic_ncols=True)
     module.eval()
@@ -81,11 +85,16 @@ def evaluate(module: GRPOModule, datamodule: OnPolicyDataModule, samples: int, p
         torch.manual_seed(datamodule.hparams.seed)
         for start in range(0, len(rows), size):
             batch = datamodule.collate_val(rows[start : start + size])
-            greedy += datamodule.score_validation(batch["rows"], module.answer(batch["prompt_ids"],
-                                                                               batch["prompt_mask"])).tolist()
+            answers = module.engine.generate(batch["prompt_ids"], batch["prompt_mask"], sampling, greedy=True,
+                                             episodes=batch.get("episodes"))
+            greedy += datamodule.score_validation(batch["rows"], answers.texts).tolist()
+            records += answers.episodes or []
             if samples:
+                episodes = None
+                if datamodule.episodes is not None:  # a fresh environment per sampled episode
+                    *_, episodes, _ = datamodule.episodes.start(datamodule, batch["rows"], samples)
                 texts = module.engine.generate(batch["prompt_ids"], batch["prompt_mask"], sampling,
-                                               repeat=samples).texts
+                                               repeat=samples, episodes=episodes).texts
                 repeated = [row for row in batch["rows"] for _ in range(samples)]
                 scores = datamodule.score_validation(repeated, texts).view(-1, samples)  # [B, samples]
                 for k in pass_k:
@@ -94,6 +103,9 @@ def evaluate(module: GRPOModule, datamodule: OnPolicyDataModule, samples: int, p
     bar.close()
     result = {"prompts": len(rows), "greedy_accuracy": sum(greedy) / len(greedy)}
     result.update({f"pass@{k}": sum(values) / len(values) for k, values in passes.items()})
+    if records:
+        stats = episode_stats(records)
+        result.update({name: stats[f"episode/{name}"] for name in ("tool_calls", "tool_errors", "turns_mean")})
     return result
 
 
@@ -151,7 +163,8 @@ def main(argv: list[str]) -> dict[str, float]:
 def table(result: dict) -> str:
     """The figures as a Markdown table: the validation prompts' row, then one per ``data.val_slices`` slice."""
     sets = {"validation": result, **result.get("slices", {})}
-    columns = ["prompts", "greedy_accuracy", *[k for k in result if k.startswith("pass@")]]
+    columns = ["prompts", "greedy_accuracy", *[k for k in result if k.startswith("pass@")],
+               *[k for k in ("tool_calls", "tool_errors", "turns_mean") if k in result]]
     header = ["model", "adapter", "set", *columns]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, figures in sets.items():

@@ -41,6 +41,7 @@ def completion_logprobs(
     completion_mask: torch.Tensor,
     temperature: float,
     with_entropy: bool = False,
+    completion_attention: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs of the completion under ``model``.
 
@@ -73,24 +74,29 @@ def completion_logprobs(
         prompt_ids: ``[N, P]`` left-padded prompt token ids.
         prompt_mask: ``[N, P]`` 1 for real prompt tokens.
         completion_ids: ``[N, C]`` right-padded completion token ids.
-        completion_mask: ``[N, C]`` 1 for real completion tokens.
+        completion_mask: ``[N, C]`` 1 for the tokens the policy sampled (the model-token mask).
         temperature: The sampling temperature; logits are divided by it.
         with_entropy: Also return each position's entropy (no grad).
+        completion_attention: ``[N, C]`` 1 for every real completion token, the
+            policy's and a tool's or environment's (an episode, see
+            :mod:`lit_grpo.generation.episodes`): what the passes attend to and
+            score. ``None``: ``completion_mask`` (a single-turn rollout).
 
     Returns:
         ``(logprobs [N, C], entropy [N, C] or None)``.
     """
     from lit_grpo.objectives import head_logprobs, token_entropy, token_logprobs
 
+    attention = completion_mask if completion_attention is None else completion_attention  # [N, C]
     prompts, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], dim=1), dim=0, return_inverse=True)
     shared = len(prompts) < len(prompt_ids) and completion_ids.shape[1] > 1
     head = _fusable_head(model)
     with _head_removed(model, head):  # the model's "logits" are then its final hidden states
         if shared:
-            chunks = _shared_prompt_logits(model, prompts, inverse, prompt_mask, completion_ids, completion_mask)
+            chunks = _shared_prompt_logits(model, prompts, inverse, prompt_mask, completion_ids, attention)
         else:
             every_row = torch.arange(len(completion_ids), device=completion_ids.device)
-            chunks = [(every_row, 0, _full_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask))]
+            chunks = [(every_row, 0, _full_logits(model, prompt_ids, prompt_mask, completion_ids, attention))]
     logprobs = entropy = None
     for rows, column, chunk in chunks:  # [n, c, V] logits (or [n, c, H] hidden states) of `rows`, columns column..+c
         columns = torch.arange(column, column + chunk.shape[1], device=chunk.device)

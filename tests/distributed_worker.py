@@ -29,10 +29,11 @@ from lit_grpo.generation.rollout import SamplingSpec
 from lit_grpo.policy import PolicySpec
 
 
-def text_length(prompts: list[str], completions: list[str], **columns) -> list[float]:
+def text_length(prompts: list[str], completions: list, **columns) -> list[float]:
     # A random tiny model never answers correctly; its completions' lengths
     # still differ within a group, which gives non-zero advantages to learn from.
-    return [float(len(c)) for c in completions]
+    # With tools a completion is an episode's messages: the last one's text counts.
+    return [float(len(c if isinstance(c, str) else c[-1]["content"])) for c in completions]
 
 
 class Recorder(L.Callback):

@@ -102,6 +102,17 @@ def test_ddp_cli_run_as_users_type_it(tiny_model_dir, tmp_path):
     assert_outputs(tmp_path, output)
 
 
+def test_ddp_cli_run_with_a_tool(tiny_model_dir, tmp_path):
+    # configs/tools.yaml: every completion is an episode (the random model never calls the calculator).
+    code, output = finish(start(["--config", "configs/tools.yaml", "--trainer.strategy", "ddp",
+                                 *cli_args(tiny_model_dir, tmp_path, "--trainer.logger.init_args.save_dir",
+                                           str(tmp_path))]))
+    assert code == 0, output[-6000:]
+    assert_outputs(tmp_path, output)
+    rows = list(csv.DictReader(next((tmp_path / "lightning_logs").iterdir()).joinpath("metrics.csv").open()))
+    assert {row["epoch"] for row in rows if row.get("episode/turns_mean")} == {"0", "1"}
+
+
 def test_fsdp2_cli_run_with_the_shipped_config(tiny_model_dir, tmp_path):
     # configs/fsdp.yaml is written for GPUs and a hub dataset; only what a CPU run
     # must change is overridden, the strategy and its device mesh stay as shipped.

@@ -55,3 +55,12 @@ def test_base_and_adapter_scores_and_json(tiny_model_dir, tmp_path, monkeypatch)
 def test_pass_k_above_samples_is_refused(tiny_model_dir):
     with pytest.raises(ValueError, match=r"--pass_k=\[8\]; expected each k in 1..--samples=4"):
         main(eval_args(tiny_model_dir, "--samples=4", "--pass_k=[8]"))
+
+
+def test_eval_runs_the_episodes_and_reports_tool_use(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(__import__("os").path.dirname(__file__))
+    result = main(eval_args(tiny_model_dir, "--samples=2", "--pass_k=[1]",
+                            '--data.tools=["lit_grpo.environments.builtin.calculator"]',
+                            "--data.max_prompt_length=400"))
+    assert result["turns_mean"] == 1.0 and result["tool_calls"] == 0.0  # a random model never calls
+    assert "tool_calls" in capsys.readouterr().out.splitlines()[0]

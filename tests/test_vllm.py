@@ -217,3 +217,24 @@ def test_long_prefills_split_across_steps_sample_reproducibly(model_dir):
     assert torch.equal(first.completion_ids, second.completion_ids)
     assert len({tuple(row) for row in first.completion_ids.tolist()}) > 8  # the G samples differ
     module.engine.close()
+
+
+def test_vllm_greedy_episodes_equal_the_native_engines(tmp_path, model_dir):
+    from test_episodes import Scripted, echo
+
+    from lit_grpo.environments import Toolbox
+    from lit_grpo.generation.episodes import EpisodeSpec
+
+    module, data = make(model_dir)
+    trainer(tmp_path, epochs=1).fit(module, data)  # attaches both, loads the policy, trains a step
+    ids, mask = data.encode(data.train_rows[:4])
+    sampling = SamplingSpec(max_new_tokens=16)
+    first = NativeEngine(GenerationSpec(), module).generate(ids, mask, sampling, greedy=True)
+    fmt = Scripted(module.tokenizer.decode(first.completion_ids[0, 2:3]))  # a text row 0 writes early
+    spec = EpisodeSpec([Toolbox([echo])] * 4, fmt, max_turns=2, max_episode_tokens=40)
+    vllm = module.engine.generate(ids, mask, sampling, greedy=True, episodes=spec)
+    native = NativeEngine(GenerationSpec(), module).generate(ids, mask, sampling, greedy=True, episodes=spec)
+    assert vllm.episodes[0].tool_calls == 1
+    for key in ("completion_ids", "completion_mask", "completion_attention"):
+        assert torch.equal(getattr(vllm, key), getattr(native, key)), key
+    assert [r.messages for r in vllm.episodes] == [r.messages for r in native.episodes]

@@ -28,7 +28,7 @@ from torchmetrics import MeanMetric
 from tqdm.auto import tqdm
 
 from lit_grpo.objectives import grpo_loss
-from lit_grpo.objectives.grpo import CLIP_METRICS, IMPORTANCE_LEVELS, LOSS_TYPES
+from lit_grpo.objectives.grpo import CLIP_METRICS, IMPORTANCE_LEVELS, LOSS_TYPES, sampler_gap
 from lit_grpo.logprob_passes import completion_logprobs
 from lit_grpo.generation import Engine, GenerationSpec, build_engine
 from lit_grpo.policy import PolicySpec
@@ -40,7 +40,7 @@ from lit_grpo.data.rollout_round import MAX_STATS
 # ranks; Lightning averages micro-batches and DDP averages ranks, so these
 # losses are scaled back up to a plain sum.
 _GLOBALLY_NORMALISED = {"dapo"}
-# The rollout columns a scoring pass reads.
+# The rollout columns a scoring pass reads (and an episode's attention mask, where the rollout has one).
 SCORED_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
 # Phases of a training step timed per epoch (logged as time/<phase>).
 _STEP_PHASES = ("policy_forward", "policy_backward", "optimizer")
@@ -132,6 +132,8 @@ class GRPOModule(PolicyModule):
     ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
     # Those whose per-token rewards carry the KL to the reference (REINFORCE++), so the loss leaves it out.
     KL_IN_REWARDS = ("reinforce_pp",)
+    # Why this objective cannot train on episodes (tools, environments); empty: it can.
+    EPISODES_REFUSED = ""
 
     # ------------------------------------------------------------------ model
     @property
@@ -192,12 +194,14 @@ class GRPOModule(PolicyModule):
         """``score(**part)`` over the rollout's rows in micro-batches, concatenated on the CPU: ``[N, C]``.
 
         ``part`` holds a micro-batch's ``prompt_ids``, ``prompt_mask``,
-        ``completion_ids`` and ``completion_mask`` on the module's device.
+        ``completion_ids`` and ``completion_mask`` on the module's device, and
+        ``completion_attention`` where the rollout has one (episodes).
         """
         size = self.trainer.datamodule.hparams.batch_size if self._trainer else len(rows["prompt_ids"])
+        keys = SCORED_KEYS + tuple(k for k in ("completion_attention",) if k in rows)
         out = []
         for start in range(0, rows["prompt_ids"].shape[0], size):
-            part = {k: rows[k][start : start + size].to(self.device) for k in SCORED_KEYS}
+            part = {k: rows[k][start : start + size].to(self.device) for k in keys}
             out.append(score(**part).float().cpu())
         return torch.cat(out)  # [N, C]
 
@@ -214,10 +218,12 @@ class GRPOModule(PolicyModule):
         logprobs, entropy = completion_logprobs(
             self.policy, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
             batch["completion_mask"], temperature=batch["temperature"], with_entropy=True,
+            completion_attention=batch.get("completion_attention"),
         )  # [n, C]
         mask = batch["completion_mask"]
         old_logprobs = batch.get("old_logprobs", logprobs.detach())
-        weights, sampler_metrics = self._sampler_gap(old_logprobs, batch.get("sampler_logprobs", old_logprobs), mask)
+        weights, sampler_metrics = sampler_gap(old_logprobs, batch.get("sampler_logprobs", old_logprobs), mask,
+                                               self.generation.importance_sampling_cap)
         result = grpo_loss(
             logprobs,
             old_logprobs,
@@ -244,23 +250,6 @@ class GRPOModule(PolicyModule):
         self._log_step(metrics, result.loss.detach(), rows=mask.shape[0])
         self._backward_start = time.perf_counter()
         return loss
-
-    def _sampler_gap(self, old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
-                     mask: torch.Tensor) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
-        """How far the sampler's distribution is from the trainer's, and the TIS weights.
-
-        ``delta = log pi_old - log pi_sampler`` per sampled token; logged as its
-        mean absolute value and as the k3 estimate of KL(sampler || trainer)
-        (``exp(delta) - 1 - delta``, averaged over the sampler's tokens). The
-        weights ``min(exp(delta), cap)`` are returned only when
-        ``generation.importance_sampling_cap`` is set.
-        """
-        delta = (old_logprobs.detach() - sampler_logprobs) * mask  # [n, C], 0 at padding
-        real = mask.sum().clamp(min=1)
-        metrics = {"sampler/logprob_abs_diff": delta.abs().sum() / real,
-                   "sampler/kl": (delta.exp() - 1 - delta).sum() / real}
-        cap = self.generation.importance_sampling_cap
-        return (delta.exp().clamp(max=cap) if cap else None), metrics
 
     def _log_rollout_stats(self) -> None:
         stats = self.trainer.datamodule.take_stats()  # once per rollout (the loader builds it on first use)
@@ -330,6 +319,8 @@ class GRPOModule(PolicyModule):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
+        if self.EPISODES_REFUSED and getattr(self.trainer.datamodule, "episodes", None) is not None:
+            raise ValueError(f"data.tools / data.environment with {type(self).__name__}: {self.EPISODES_REFUSED}")
         sets = len(self.trainer.datamodule.val_sets()) if self.trainer.datamodule is not None else 1
         self.val_accuracy.extend(MeanMetric() for _ in range(sets - len(self.val_accuracy)))
 
@@ -372,13 +363,13 @@ class GRPOModule(PolicyModule):
         path = Path(self.log_dir) / "samples.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a") as f:
-            for prompt, completion, reward in samples:
-                f.write(json.dumps({"epoch": self.current_epoch, "prompt": prompt,
-                                    "completion": completion, "reward": reward}) + "\n")
+            for prompt, completion, reward, *episode in samples:  # an episode's turns after the final answer
+                record = {"epoch": self.current_epoch, "prompt": prompt, "completion": completion, "reward": reward}
+                f.write(json.dumps({**record, **({"turns": episode[0]} if episode else {})}) + "\n")
 
     # ------------------------------------------------------------- validation
     def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
-        completions = self.answer(batch["prompt_ids"], batch["prompt_mask"])
+        completions = self.answer(batch["prompt_ids"], batch["prompt_mask"], batch.get("episodes"))
         scores = self.trainer.datamodule.score_validation(batch["rows"], completions)
         metric = self.val_accuracy[dataloader_idx]
         metric.update(scores.to(self.device))
@@ -386,9 +377,11 @@ class GRPOModule(PolicyModule):
         self.log(name, metric, on_step=False, on_epoch=True, prog_bar=True, batch_size=len(completions),
                  add_dataloader_idx=False, metric_attribute=f"val_accuracy.{dataloader_idx}")
 
-    def answer(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[str]:
-        """Greedy completions of left-padded prompts (what validation scores)."""
-        return self.engine.generate(prompt_ids, prompt_mask, self.trainer.datamodule.sampling, greedy=True).texts
+    def answer(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, episodes=None) -> list[str]:
+        """Greedy completions of left-padded prompts (what validation scores); with ``episodes``
+        (an :class:`~lit_grpo.generation.episodes.EpisodeSpec`) greedy episodes' final answers."""
+        return self.engine.generate(prompt_ids, prompt_mask, self.trainer.datamodule.sampling, greedy=True,
+                                    episodes=episodes).texts
 
 
 def _accuracies(values: dict[str, float]) -> str:

@@ -95,6 +95,9 @@ class PPOModule(GRPOModule):
     """
 
     ADVANTAGE_ESTIMATORS = ("gae",)
+    EPISODES_REFUSED = ("its critic's GAE runs over every completion position, tool tokens included, and is "
+                        "not defined on the policy's turns alone yet; train tools with GRPOModule "
+                        "(data.advantage_estimator grpo, rloo or reinforce_pp).")
     merges_for_generation = False  # rollouts decode through the actor adapter, see the module docstring
 
     def __init__(

@@ -18,6 +18,7 @@ ROW_KEYS = (
     "prompt_mask",
     "completion_ids",
     "completion_mask",
+    "completion_attention",
     "advantages",
     "old_logprobs",
     "ref_logprobs",
@@ -26,16 +27,17 @@ ROW_KEYS = (
 )
 # Of those, the ones with one column per completion token (trimmed with the completions).
 # ``advantages`` is one of them when the estimator is token-level ([N, C], e.g. GAE).
-TOKEN_KEYS = ("completion_ids", "completion_mask", "advantages", "old_logprobs", "ref_logprobs", "sampler_logprobs",
-              "values", "returns")
+TOKEN_KEYS = ("completion_ids", "completion_mask", "completion_attention", "advantages", "old_logprobs",
+              "ref_logprobs", "sampler_logprobs", "values", "returns")
 
 
 class RolloutBuffer(IterableDataset):
     """Micro-batches over a rollout, ``num_iterations`` passes, shuffled per pass.
 
     Args:
-        rows: Tensors keyed by :data:`ROW_KEYS` (``old_logprobs``,
-            ``ref_logprobs``, ``values`` and ``returns`` may be absent), all
+        rows: Tensors keyed by :data:`ROW_KEYS` (``completion_attention``,
+            ``old_logprobs``, ``ref_logprobs``, ``values`` and ``returns``
+            may be absent), all
             with N rows; ``advantages`` is ``[N]`` or ``[N, C]``.
         batch_size: Rows per micro-batch; must divide N.
         num_iterations: Passes over the buffer (mu).
@@ -114,13 +116,14 @@ def _trim(batch: dict[str, Tensor]) -> dict[str, Tensor]:
 
     Rows are padded to the longest prompt/completion of the whole rollout; a
     micro-batch only needs to be as wide as its own longest, which saves
-    forward/backward work in proportion.
+    forward/backward work in proportion. An episode's completion is as wide
+    as its attention mask (tool tokens included), not its model tokens.
     """
     real_prompt = batch["prompt_mask"].any(0).nonzero()
     start = int(real_prompt.min()) if len(real_prompt) else 0
     batch["prompt_ids"] = batch["prompt_ids"][:, start:]
     batch["prompt_mask"] = batch["prompt_mask"][:, start:]
-    real_completion = batch["completion_mask"].any(0).nonzero()
+    real_completion = batch.get("completion_attention", batch["completion_mask"]).any(0).nonzero()
     width = int(real_completion.max()) + 1 if len(real_completion) else 1
     for key in TOKEN_KEYS:
         if key in batch and batch[key].dim() == 2:

@@ -30,7 +30,9 @@ from lit_grpo.data.buffer import OnDemand, RolloutBuffer
 from lit_grpo.rewards import Accuracy, Format, Reward, RewardCombiner
 from lit_grpo.generation.rollout import SamplingSpec, encode_prompts
 from lit_grpo.distributed import gather_to_rank_zero
-from lit_grpo.data.rollout_round import ESTIMATORS, RolloutResult, collect_rollout
+from lit_grpo.data.episodes import EpisodeSetup
+from lit_grpo.data.rollout_round import RolloutResult, collect_rollout
+from lit_grpo.data.setup_checks import check_prompt_budget, choose_estimator
 from lit_grpo.data.prompts import chat_prompts, check_prompt_lengths, columns_of
 from lit_grpo.data.sources import check_slices, held_out_slices, load_rows, rename_columns
 from lit_grpo.data.tasks import TooFewQuestions
@@ -92,6 +94,18 @@ class OnPolicyDataModule(L.LightningDataModule):
         max_sampling_rounds: Most rollout rounds dynamic sampling may spend
             filling one epoch's buffer.
         seed: Seed of prompt order, task generation and sampling.
+        tools: Tools the model may call, as dotted paths of typed functions
+            with Google-style docstrings (``lit_grpo.environments.builtin.calculator``):
+            every completion becomes an episode (:mod:`lit_grpo.data.episodes`).
+        environment: A multi-turn environment, ``{class_path, init_args}``: one
+            instance per episode, its ``reset(**row)`` text added to the prompt,
+            its methods the episode's tools, its ``get_reward()`` a reward.
+        max_turns: Most assistant turns per episode.
+        tool_timeout: Seconds one tool call may run before its result is a timeout error.
+        max_episode_tokens: Most tokens after the prompt, the model's and the
+            tools' (``sampling.max_new_tokens`` counts the model's only);
+            ``None``: twice ``sampling.max_new_tokens``.
+        environment_reward_weight: Weight of the environment's ``get_reward()``.
     """
 
     def __init__(
@@ -122,14 +136,20 @@ class OnPolicyDataModule(L.LightningDataModule):
         dynamic_sampling: bool = False,
         max_sampling_rounds: int = 4,
         seed: int = 0,
+        tools: list[str] | None = None,
+        environment: dict | None = None,
+        max_turns: int = 3,
+        tool_timeout: float = 10.0,
+        max_episode_tokens: int | None = None,
+        environment_reward_weight: float = 1.0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["rewards", "val_reward", "sampling"])
         self.sampling = sampling or SamplingSpec()
-        self.rewards = RewardCombiner(rewards if rewards is not None else [Accuracy(), Format()])
+        rewards = rewards if rewards is not None else [Accuracy(), Format()]
         self.val_reward = val_reward or Accuracy()
         for name, value in (("prompts_per_epoch", prompts_per_epoch), ("batch_size", batch_size),
-                            ("num_iterations", num_iterations), ("val_size", val_size)):
+                            ("num_iterations", num_iterations), ("val_size", val_size), ("max_turns", max_turns)):
             if value < 1:
                 raise ValueError(f"data.{name}={value}; expected >= 1.")
         check_slices(source, val_slices or {})
@@ -146,6 +166,15 @@ class OnPolicyDataModule(L.LightningDataModule):
         self.stats_pending = False  # its statistics are still to be logged
         self.restored: dict | None = None  # a rollout restored from a checkpoint saved inside its epoch
         self.advantage_estimator = advantage_estimator or "grpo"  # resolved against the module in setup
+        self.episodes = None  # tools / an environment: every completion is an episode
+        if tools or environment is not None:
+            cap = max_episode_tokens or 2 * self.sampling.max_new_tokens
+            if cap < self.sampling.max_new_tokens:
+                raise ValueError(f"data.max_episode_tokens={cap} < sampling.max_new_tokens="
+                                 f"{self.sampling.max_new_tokens}; expected a cap on the whole episode.")
+            self.episodes = EpisodeSetup(tools, environment, max_turns, tool_timeout, cap)
+        self.rewards = (RewardCombiner(rewards) if self.episodes is None
+                        else self.episodes.rewards(rewards, environment_reward_weight))
 
     # ----------------------------------------------------------------- set-up
     def setup(self, stage: str | None = None) -> None:
@@ -172,13 +201,15 @@ class OnPolicyDataModule(L.LightningDataModule):
             self.train_rows, self.val_rows = rows[hp.val_size :], rows[: hp.val_size]
         self.val_slices = held_out_slices(hp.source, hp.val_slices or {}, hp.task_args, hp.columns or {},
                                           hp.seed, hp.val_size, self.train_rows + self.val_rows)
-        self._choose_estimator()  # first: a group size the estimator refuses also breaks the budget
-        self._check_prompt_budget()
+        choose_estimator(self)  # first: a group size the estimator refuses also breaks the budget
+        check_prompt_budget(self)
         self.rewards.check_columns(list(self.train_rows[0]), hp.source)
         val_reward = RewardCombiner([self.val_reward])
         for rows in self.val_sets().values():
             val_reward.check_columns(list(rows[0]), hp.source)
         check_prompt_lengths(self)
+        if self.episodes is not None:
+            self.episodes.check(self.train_rows + self.val_rows)
 
     def val_sets(self) -> dict[str, list[dict]]:
         """The held-out prompts by the metric their greedy accuracy is logged as."""
@@ -190,58 +221,20 @@ class OnPolicyDataModule(L.LightningDataModule):
         """Prompts each rank samples per epoch (whole groups never span ranks)."""
         return self.hparams.prompts_per_epoch // (self.trainer.world_size if self.trainer else 1)
 
-    def _choose_estimator(self) -> None:
-        """Resolve ``advantage_estimator`` against what the module can train with, and its group size."""
-        module = self.trainer.lightning_module if self.trainer else None
-        accepted = getattr(module, "ADVANTAGE_ESTIMATORS", ("grpo", "rloo"))
-        name = self.hparams.advantage_estimator or accepted[0]
-        if name not in ESTIMATORS or name not in accepted:
-            owner = type(module).__name__ if module is not None else "GRPOModule"
-            raise ValueError(
-                f"data.advantage_estimator={name!r}; {owner} trains with one of "
-                f"{list(accepted)} (or null for {accepted[0]!r})."
-            )
-        G = self.sampling.group_size
-        if ESTIMATORS[name].needs_group and G < 2:
-            raise ValueError(
-                f"sampling.group_size={G}; expected >= 2 with data.advantage_estimator={name!r} (its baseline "
-                "comes from the other completions of the same prompt); sample more per prompt, or train a "
-                "critic (PPOModule, advantage_estimator 'gae'), which works with 1."
-            )
-        if self.hparams.dynamic_sampling and G < 2:
-            raise ValueError(f"data.dynamic_sampling=true needs sampling.group_size >= 2, got {G}.")
-        self.advantage_estimator = name
-
-    def _check_prompt_budget(self) -> None:
-        hp = self.hparams
-        world = self.trainer.world_size if self.trainer else 1
-        if hp.prompts_per_epoch % world:
-            raise ValueError(
-                f"data.prompts_per_epoch={hp.prompts_per_epoch} must divide evenly over the "
-                f"{world} ranks (each rank samples whole groups for its own prompts)."
-            )
-        rollout = self.prompts_per_rank * self.sampling.group_size
-        if rollout % hp.batch_size:
-            raise ValueError(
-                f"data.batch_size={hp.batch_size} does not divide the {rollout} completions each "
-                f"rank samples per epoch (prompts_per_epoch/world_size={self.prompts_per_rank} "
-                f"x group_size={self.sampling.group_size}); pick a divisor of {rollout}."
-            )
-        if not hp.repeat and hp.prompts_per_epoch > len(self.train_rows):
-            raise ValueError(
-                f"data.prompts_per_epoch={hp.prompts_per_epoch} exceeds the {len(self.train_rows)} "
-                "training prompts; set data.repeat=true to cycle through them."
-            )
-
     # ---------------------------------------------------------------- prompts
     def format_prompts(self, rows: list[dict]) -> list[str]:
         """Apply the prompt template and the tokenizer's chat template, then the completion prefix."""
+        if self.episodes is not None:  # the tools described, an environment's reset text added
+            return self.episodes.prompts(self, rows)
         texts = chat_prompts(self.trainer.lightning_module.tokenizer, [row["prompt"] for row in rows],
                              self.hparams.system_prompt, self.hparams.prompt_template)
         return [text + self.hparams.completion_prefix for text in texts]
 
     def full_completions(self, completions: list[str]) -> list[str]:
-        """Sampled completions as the reply reads: the completion prefix in front of each."""
+        """Sampled completions as the reply reads: the completion prefix in front of each
+        (an episode's final answer has it already where it belongs)."""
+        if self.episodes is not None:
+            return list(completions)
         return [self.hparams.completion_prefix + text for text in completions]
 
     def encode(self, rows: list[dict]):
@@ -352,7 +345,11 @@ class OnPolicyDataModule(L.LightningDataModule):
         return loaders if len(loaders) > 1 else loaders[0]
 
     def collate_val(self, rows: list[dict]) -> dict:
-        """Tokenize validation rows: ``{prompt_ids, prompt_mask, rows}``."""
+        """Tokenize validation rows: ``{prompt_ids, prompt_mask, rows}`` (and ``episodes``, their
+        :class:`~lit_grpo.generation.episodes.EpisodeSpec`, when tools are configured)."""
+        if self.episodes is not None:
+            prompt_ids, prompt_mask, spec, _ = self.episodes.start(self, rows, 1)
+            return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "rows": rows, "episodes": spec}
         prompt_ids, prompt_mask = self.encode(rows)
         return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "rows": rows}
 

@@ -20,6 +20,8 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
+from lit_grpo.data.episodes import ENVIRONMENT_REWARD, environment_rewards
+from lit_grpo.generation.episodes import episode_stats
 from lit_grpo.generation.rollout import Rollout
 from lit_grpo.objectives import (gae_advantages, group_advantages, ppo_token_rewards, reinforce_pp_advantages,
                                  rloo_advantages, whiten)
@@ -33,7 +35,7 @@ MAX_STATS = ("completion/length_max",)
 class RolloutResult:
     rows: dict[str, Tensor]
     stats: dict[str, float]
-    samples: list[tuple[str, str, float]]  # (prompt, completion, reward) for logging
+    samples: list[tuple]  # (prompt, completion, reward[, an episode's messages]) for logging
 
 
 @dataclass
@@ -48,6 +50,8 @@ class _Group:
     per_function: dict[str, Tensor]  # name -> [G]
     prompt: str
     texts: list[str]
+    completion_attention: Tensor | None = None  # [G, C] episodes: every real token
+    episodes: list | None = None  # episodes: each completion's EpisodeRecord
 
 
 def collect_rollout(datamodule, module, rank: int) -> RolloutResult:
@@ -76,7 +80,10 @@ def collect_rollout(datamodule, module, rank: int) -> RolloutResult:
     stats["rollout/tokens_per_s"] = generated_tokens / max(timings["generate"], 1e-9)
     stats["rollout/rounds"] = float(round_index + 1)
     stats.update({f"time/{name}": seconds for name, seconds in timings.items()})
-    samples = [(g.prompt, datamodule.full_completions(g.texts[:1])[0], float(g.rewards[0])) for g in groups[:2]]
+    samples = [(g.prompt, datamodule.full_completions(g.texts[:1])[0], float(g.rewards[0]))
+               + ((g.episodes[0].messages,) if g.episodes else ()) for g in groups[:2]]
+    if groups[0].episodes is not None:
+        stats.update(episode_stats([record for g in groups for record in g.episodes]))
     return RolloutResult(rows, stats, samples)
 
 
@@ -96,19 +103,27 @@ def _warn_if_all_empty(groups: list[_Group], epoch: int) -> None:
 
 
 def _sample_groups(datamodule, module, prompts: list[dict], timings: dict, round_index: int):
-    sampling = datamodule.sampling
-    prompt_ids, prompt_mask = datamodule.encode(prompts)
+    sampling, G = datamodule.sampling, datamodule.sampling.group_size
+    spec = environments = None
+    if datamodule.episodes is not None:
+        prompt_ids, prompt_mask, spec, environments = datamodule.episodes.start(datamodule, prompts, G)
+    else:
+        prompt_ids, prompt_mask = datamodule.encode(prompts)
+    steps = sampling.max_new_tokens if spec is None else spec.max_episode_tokens
     rollout: Rollout = module.engine.generate(
-        prompt_ids, prompt_mask, sampling,
-        progress=module.show_progress(f"rollout {round_index + 1}", sampling.max_new_tokens))
+        prompt_ids, prompt_mask, sampling, episodes=spec,
+        progress=module.show_progress(f"rollout {round_index + 1}", steps))
     timings["generate"] += rollout.seconds
     start = time.perf_counter()
-    G = sampling.group_size
     rows = [row for row in prompts for _ in range(G)]
     columns = {key: [row.get(key) for row in rows] for key in rows[0] if key != "prompt"}
     columns["completion_length"] = rollout.lengths.tolist()
-    scores = datamodule.rewards.score([r["prompt"] for r in rows], datamodule.full_completions(rollout.texts),
-                                      columns)
+    if spec is None:
+        completions = datamodule.full_completions(rollout.texts)
+    else:  # TRL's conversational completions; text rewards read the final answers
+        completions = [record.messages for record in rollout.episodes]
+        columns[ENVIRONMENT_REWARD] = environment_rewards(environments)
+    scores = datamodule.rewards.score([r["prompt"] for r in rows], completions, columns)
     timings["reward"] += time.perf_counter() - start
     groups = []
     for i, prompt in enumerate(prompts):
@@ -118,6 +133,7 @@ def _sample_groups(datamodule, module, prompts: list[dict], timings: dict, round
             rollout.completion_mask[s], rollout.truncated[s], rollout.logprobs[s], scores.total[s],
             {name: values[s] for name, values in scores.per_function.items()},
             prompt["prompt"], rollout.texts[s],
+            None if spec is None else rollout.completion_attention[s], None if spec is None else rollout.episodes[s],
         ))
     return groups, int(rollout.lengths.sum())
 
@@ -133,6 +149,8 @@ def _assemble(groups: list[_Group], module, datamodule, timings: dict):
         "completion_mask": _right_pad([g.completion_mask for g in groups], 0),  # [N, C]
         "sampler_logprobs": _right_pad([g.sampler_logprobs for g in groups], 0.0),  # [N, C]
     }
+    if groups[0].completion_attention is not None:  # episodes: tool tokens are attended to, not trained on
+        rows["completion_attention"] = _right_pad([g.completion_attention for g in groups], 0)  # [N, C]
     truncated = torch.cat([g.truncated for g in groups])  # [N]
     length_stats = {"rollout/truncated_fraction": truncated.float().mean().item()}
     if sampling.mask_truncated:

@@ -8,6 +8,8 @@ the worked answer ("47 + 38 = 85") chosen and a plausible slip rejected.
 evaluator. Each row also carries one valid solution as ``answer``.
 ``word_problems``: GSM8K-style multi-step word problems with a ``#### N``
 answer (:mod:`lit_grpo.data.word_problems`).
+``guess_number``: games of the ``GuessNumber`` environment, a secret per row
+(:func:`lit_grpo.environments.builtin.guess_number`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import random
 from typing import Callable
 
 from lit_grpo.data.word_problems import word_problems
+from lit_grpo.environments.builtin import guess_number
 
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
@@ -156,4 +159,5 @@ TASKS: dict[str, Callable[..., list[dict]]] = {
     "arithmetic_preferences": arithmetic_preferences,
     "countdown": countdown,
     "word_problems": word_problems,
+    "guess_number": guess_number,
 }

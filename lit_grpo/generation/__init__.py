@@ -96,8 +96,12 @@ class Engine(Protocol):
     """What samples completions for a module (see the module docstring)."""
 
     def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingSpec, *,
-                 greedy: bool = False, repeat: int | None = None, progress=None) -> Rollout:
+                 greedy: bool = False, repeat: int | None = None, progress=None, episodes=None) -> Rollout:
         """Complete ``[B, P]`` left-padded prompts; ``repeat`` rows per prompt, contiguous.
+
+        With ``episodes`` (an :class:`~lit_grpo.generation.episodes.EpisodeSpec`,
+        one toolbox per row) each completion is an episode with tool calls
+        (:mod:`lit_grpo.generation.episodes`).
 
         Sampling draws its randomness from torch's global generator (the
         DataModule seeds it from ``(seed, epoch, rank)``), so a resumed run

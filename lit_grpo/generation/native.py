@@ -31,10 +31,10 @@ class NativeEngine:
         self.merges = spec.merge and module.merges_for_generation
 
     def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingSpec, *,
-                 greedy: bool = False, repeat: int | None = None, progress=None) -> Rollout:
+                 greedy: bool = False, repeat: int | None = None, progress=None, episodes=None) -> Rollout:
         with self.model() as model:
             return generate(model, self.module.tokenizer, prompt_ids, prompt_mask, sampling,
-                            greedy=greedy, repeat=repeat, progress=progress)
+                            greedy=greedy, repeat=repeat, progress=progress, episodes=episodes)
 
     @contextlib.contextmanager
     def model(self) -> Iterator[nn.Module]:

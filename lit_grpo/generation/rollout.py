@@ -73,6 +73,10 @@ class Rollout:
     # [N, C] float32: the sampler's log-prob of each sampled token under the distribution
     # it drew from (temperature, top-k/top-p), 0 at padding; None for greedy decoding.
     logprobs: Tensor | None = None
+    # Episodes (lit_grpo.generation.episodes): [N, C] 1 at every real token, the policy's and
+    # the tools' (completion_mask is then the policy's tokens only), and each row's record.
+    completion_attention: Tensor | None = None
+    episodes: list | None = None
 
     @property
     def lengths(self) -> Tensor:
@@ -148,6 +152,7 @@ def generate(
     repeat: int | None = None,
     generator: torch.Generator | None = None,
     progress=None,
+    episodes=None,
 ) -> Rollout:
     """Sample completions for each prompt with a KV cache.
 
@@ -168,6 +173,9 @@ def generate(
             (1 when ``greedy``). Rows of one prompt are contiguous.
         generator: Source of randomness for sampling (default: global RNG).
         progress: A tqdm bar advanced once per decoding step, or ``None``.
+        episodes: An :class:`~lit_grpo.generation.episodes.EpisodeSpec`: run
+            episodes with tools, continuing from the KV cache after each
+            turn's tool tokens; ``None``: single-turn completions.
 
     Returns:
         The :class:`Rollout` for ``B * repeat`` rows.
@@ -178,15 +186,22 @@ def generate(
     eos = torch.tensor([] if sampling.ignore_eos else eos_ids(tokenizer, model), dtype=torch.long, device=device)
     was_training = model.training
     model.eval()
+    state = None
+    if episodes is not None:
+        from lit_grpo.generation.episodes import Episodes
+
+        state = Episodes(episodes, tokenizer, sampling.max_new_tokens, eos.tolist())
     start = time.perf_counter()
     try:
         completion_ids, logprobs = _decode(model, prompt_ids, prompt_mask, repeat, sampling, greedy, eos,
-                                           tokenizer.pad_token_id, generator, progress)  # [N, C] x 2
+                                           tokenizer.pad_token_id, generator, progress, state)  # [N, C] x 2
     finally:
         model.train(was_training)
         if progress is not None:
             progress.close()
     seconds = time.perf_counter() - start
+    if state is not None:
+        return state.rollout(prompt_ids, prompt_mask, repeat, greedy, seconds)
     return finish_rollout(tokenizer, prompt_ids, prompt_mask, repeat, completion_ids, None if greedy else logprobs,
                           eos.tolist(), seconds)
 
@@ -215,17 +230,20 @@ def finish_rollout(tokenizer, prompt_ids: Tensor, prompt_mask: Tensor, repeat: i
 
 
 def _decode(model, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, pad, generator,
-            progress) -> tuple[Tensor, Tensor]:
+            progress, episodes=None) -> tuple[Tensor, Tensor]:
     """Token ids and their log-probs, ``[B * repeat, max_new_tokens]`` each; each prompt's
-    cache is computed once and repeated."""
+    cache is computed once and repeated. With ``episodes`` (an
+    :class:`~lit_grpo.generation.episodes.Episodes`) each step feeds every row
+    a token, sampled or its next tool token, and the episodes record them."""
     from transformers import DynamicCache
 
     from lit_grpo.generation.decode_step import LlamaStep, ModelStep, llama_step_applies
     from lit_grpo.generation.kv_cache import with_cache
 
     n = prompt_ids.shape[0] * repeat
-    tokens = torch.full((n, sampling.max_new_tokens), pad, dtype=torch.long, device=prompt_ids.device)
-    logprobs = torch.zeros(n, sampling.max_new_tokens, device=prompt_ids.device)
+    width = sampling.max_new_tokens if episodes is None else episodes.width
+    tokens = torch.full((n, width), pad, dtype=torch.long, device=prompt_ids.device)
+    logprobs = torch.zeros(n, width, device=prompt_ids.device)
     active = torch.arange(n, device=prompt_ids.device)  # rows still writing
     positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]: left padding shifts starts
     cache = DynamicCache()
@@ -235,20 +253,24 @@ def _decode(model, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, pad, 
         cache.batch_repeat_interleave(repeat)
         logits = logits.repeat_interleave(repeat, 0)  # [n, V]
     attention = prompt_mask.repeat_interleave(repeat, 0)  # [n, P]
-    if llama_step_applies(model, prompt_ids.shape[1] + sampling.max_new_tokens):
-        forward = LlamaStep(model, cache, attention, sampling.max_new_tokens)
+    if llama_step_applies(model, prompt_ids.shape[1] + width):
+        forward = LlamaStep(model, cache, attention, width)
     else:
         forward = ModelStep(model, cache, attention)
     next_position = positions[:, -1].repeat_interleave(repeat, 0) + 1  # [n_active]
-    for step in range(sampling.max_new_tokens):
-        token, logprob = _next_token(logits, sampling, greedy, generator)  # [n_active] x 2
-        tokens[active, step] = token
-        if logprob is not None:
-            logprobs[active, step] = logprob
+    for step in range(width):
+        if episodes is None:
+            token, logprob = _next_token(logits, sampling, greedy, generator)  # [n_active] x 2
+            tokens[active, step] = token
+            if logprob is not None:
+                logprobs[active, step] = logprob
+            alive = ~torch.isin(token, eos)
+        else:
+            token, alive = _episode_step(episodes, active, logits, sampling, greedy, generator)
+            tokens[active, step] = token
         if progress is not None:
             progress.update(1)
-        alive = ~torch.isin(token, eos)
-        if step == sampling.max_new_tokens - 1 or not alive.any():
+        if step == width - 1 or not alive.any():
             break
         if not alive.all():  # finished rows leave the batch, and their cache with them
             keep = alive.nonzero().squeeze(-1)
@@ -257,6 +279,31 @@ def _decode(model, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, pad, 
         logits = forward(token, next_position)  # [n_active, V]
         next_position = next_position + 1
     return tokens, logprobs
+
+
+def _episode_step(episodes, active: Tensor, logits: Tensor, sampling: SamplingSpec, greedy: bool,
+                  generator) -> tuple[Tensor, Tensor]:
+    """One step of episodes: rows with tool tokens queued feed the next one, the others sample;
+    turns that end run their calls. Returns the tokens fed ``[n_active]`` and which rows go on."""
+    rows = active.tolist()
+    forcing = [j for j, row in enumerate(rows) if episodes.queue[row]]
+    sampling_rows = [j for j, row in enumerate(rows) if not episodes.queue[row]]
+    token = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    ended = {}
+    if sampling_rows:
+        chosen = logits if not forcing else logits[sampling_rows]  # every row samples: the single-turn draws
+        sampled, logprob = _next_token(chosen, sampling, greedy, generator)  # [n_sampling] x 2
+        token[sampling_rows] = sampled
+        values = [None] * len(sampling_rows) if logprob is None else logprob.tolist()
+        for j, value, t in zip(sampling_rows, values, sampled.tolist()):
+            reason = episodes.sample(rows[j], t, value)
+            if reason is not None:
+                ended[rows[j]] = reason
+    for j in forcing:
+        token[j] = episodes.force(rows[j])
+    episodes.end_turns(ended)
+    alive = torch.tensor([not episodes.done[row] for row in rows], device=logits.device)
+    return token, alive
 
 
 def _next_token(logits: Tensor, sampling: SamplingSpec, greedy: bool, generator) -> tuple[Tensor, Tensor | None]:

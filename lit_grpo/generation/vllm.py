@@ -74,12 +74,12 @@ class VLLMEngine:
 
     # ------------------------------------------------------------- sampling
     def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingSpec, *,
-                 greedy: bool = False, repeat: int | None = None, progress=None) -> Rollout:
+                 greedy: bool = False, repeat: int | None = None, progress=None, episodes=None) -> Rollout:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         repeat = repeat or (1 if greedy else sampling.group_size)
-        longest = prompt_ids.shape[1] + sampling.max_new_tokens
+        longest = prompt_ids.shape[1] + (sampling.max_new_tokens if episodes is None else episodes.max_episode_tokens)
         if self.llm is None:
             self._start(longest)
         if longest > self.max_len:  # vLLM would silently stop every completion at its context length
@@ -96,6 +96,8 @@ class VLLMEngine:
         # vLLM samples from torch's global generator when requests carry no seed of their own (and on
         # CPUs a per-request seed fails once a long prefill is split across steps).
         seed = None if greedy else int(torch.randint(0, 2**62, ()))
+        if episodes is not None:
+            return self._episodes(prompts, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, seed, episodes)
         params = SamplingParams(
             n=repeat, max_tokens=sampling.max_new_tokens, temperature=0.0 if greedy else sampling.temperature,
             top_p=1.0 if greedy else sampling.top_p, top_k=0 if greedy else sampling.top_k,
@@ -111,6 +113,46 @@ class VLLMEngine:
             progress.update(sampling.max_new_tokens)
             progress.close()
         return self._rollout(outputs, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, seconds)
+
+    def _episodes(self, prompts, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, seed, spec) -> Rollout:
+        """Episodes (:mod:`lit_grpo.generation.episodes`): each turn re-submits every live row's
+        prompt + trajectory (the prefix cache holds what was read before); all calls of a turn run together."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from lit_grpo.generation.episodes import Episodes
+
+        state = Episodes(spec, self.module.tokenizer, sampling.max_new_tokens, eos)
+        contexts = [p["prompt_token_ids"] for p in prompts for _ in range(repeat)]
+        start, live = time.perf_counter(), list(range(len(contexts)))
+        with _contained():
+            if seed is not None:
+                torch.manual_seed(seed)
+            while live:
+                params = [SamplingParams(
+                    n=1, max_tokens=state.room(row), temperature=0.0 if greedy else sampling.temperature,
+                    top_p=1.0 if greedy else sampling.top_p, top_k=0 if greedy else sampling.top_k,
+                    stop_token_ids=eos, stop=[spec.call_format.stop], include_stop_str_in_output=True,
+                    logprobs=None if greedy else 0, detokenize=True) for row in live]
+                outputs = self.llm.generate([TokensPrompt(prompt_token_ids=contexts[row] + state.tokens[row])
+                                             for row in live], params, use_tqdm=False)
+                ended = {}
+                for row, output in zip(live, outputs):
+                    sample = output.outputs[0]
+                    logprobs = [None] * len(sample.token_ids) if greedy else [
+                        step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)]
+                    for token, logprob in zip(sample.token_ids, logprobs):
+                        reason = state.sample(row, token, logprob)
+                        if reason is not None:
+                            ended[row] = reason
+                            break
+                    ended.setdefault(row, "budget")  # vLLM stopped at max_tokens: the budget is spent
+                state.end_turns(ended)
+                for row in live:
+                    while state.queue[row]:
+                        state.force(row)
+                live = [row for row in live if not state.done[row]]
+        return state.rollout(prompt_ids.cpu(), prompt_mask.cpu(), repeat, greedy, time.perf_counter() - start)
 
     def _rollout(self, outputs, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, seconds) -> Rollout:
         """vLLM's request outputs as a :class:`Rollout` (rows of one prompt contiguous)."""

@@ -243,3 +243,23 @@ def _clip_metrics(
     high = ((ratio > 1.0 + epsilon_high) & (adv > 0)).to(mask.dtype)  # [N, T]
     values = (low, high, low + high, ratio)
     return {name: _masked_mean(value, mask) for name, value in zip(CLIP_METRICS, values)}
+
+
+def sampler_gap(old_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor,
+                cap: float | None = None) -> tuple[Tensor | None, dict[str, Tensor]]:
+    """How far the sampler's distribution is from the trainer's, and the TIS weights.
+
+    ``delta = log pi_old - log pi_sampler`` per sampled token; reported as its
+    mean absolute value and as the k3 estimate of KL(sampler || trainer)
+    (``exp(delta) - 1 - delta``), both averaged over the sampled tokens
+    (``mask``). The truncated importance-sampling weights ``min(exp(delta), cap)``
+    are returned only when ``cap`` is set.
+
+    Returns:
+        ``(weights [N, T] or None, {"sampler/logprob_abs_diff": [], "sampler/kl": []})``.
+    """
+    delta = (old_logprobs.detach() - sampler_logprobs) * mask  # [N, T], 0 where not sampled
+    real = mask.sum().clamp(min=1)
+    metrics = {"sampler/logprob_abs_diff": delta.abs().sum() / real,
+               "sampler/kl": (delta.exp() - 1 - delta).sum() / real}
+    return (delta.exp().clamp(max=cap) if cap else None), metrics

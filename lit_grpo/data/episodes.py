@@ -1,0 +1,163 @@
+"""The DataModule's side of episodes: tools and environments from YAML, prompts that describe
+them, one environment per episode, and rewards that read the episode.
+
+``data.tools`` (dotted paths of typed, documented functions) and
+``data.environment`` (``class_path`` + ``init_args``, TRL's
+``environment_factory`` contract) turn every completion into an episode
+(:mod:`lit_grpo.generation.episodes`). The tools are described to the model
+in the chat template's own way (:func:`lit_grpo.environments.call_format`);
+an environment's ``reset`` text joins the user message. Rewards follow TRL's
+conversational convention: a reward function gets ``completions`` as each
+episode's messages (assistant and tool turns); lit_grpo's built-in rewards,
+written for text, get the last assistant turn's text (the final answer). An
+environment's ``get_reward()`` is a reward of its own, ``environment``,
+weighted by ``data.environment_reward_weight``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lit_grpo.environments import Toolbox, TemplateFormat, call_format
+from lit_grpo.environments.factory import EnvironmentFactory
+from lit_grpo.generation.episodes import EpisodeSpec
+from lit_grpo.generation.rollout import encode_prompts
+from lit_grpo.rewards import BUILTINS, FromCallable, Reward, RewardCombiner
+
+# The column an environment's get_reward() reaches the `environment` reward in.
+ENVIRONMENT_REWARD = "environment_reward"
+
+
+class EnvironmentReward(Reward):
+    """The environment's own ``get_reward()`` at the end of each episode, as a weighted reward."""
+
+    default_name = "environment"
+
+    def __call__(self, prompts: list[str], completions: list, **columns: Any) -> list[float | None]:
+        return list(columns[ENVIRONMENT_REWARD])
+
+
+class _Episodic(Reward):
+    """A reward over episodes: the messages, or for a text reward the final answers."""
+
+    def __init__(self, function, name: str, weight: float, reads_text: bool) -> None:
+        super().__init__(weight, name)
+        self.function, self.reads_text = function, reads_text
+        self.required_columns = tuple(getattr(function, "required_columns", ()))
+
+    def __call__(self, prompts: list[str], completions: list, **columns: Any) -> list[float | None]:
+        if self.reads_text:
+            completions = [_answer(messages) for messages in completions]
+        return self.function(prompts=prompts, completions=completions, **columns)
+
+
+def _answer(messages: list[dict]) -> str:
+    return next((m["content"] for m in reversed(messages) if m["role"] == "assistant"), "")
+
+
+def _reads_text(function) -> bool:
+    """lit_grpo's own rewards score text; everything else gets TRL's conversational completions."""
+    if isinstance(function, FromCallable):
+        return function.function in BUILTINS.values()
+    owner = type(function).__module__ if isinstance(function, Reward) else getattr(function, "__module__", "")
+    return (owner or "").startswith("lit_grpo.")
+
+
+class EpisodeSetup:
+    """Tools and/or an environment, built (and checked) from the DataModule's arguments.
+
+    Args:
+        tools: Dotted paths of tool functions (``data.tools``).
+        environment: ``{"class_path": ..., "init_args": {...}}`` (``data.environment``).
+        max_turns: Most assistant turns per episode.
+        tool_timeout: Seconds one tool call may run.
+        max_episode_tokens: Most tokens after the prompt, tools' included.
+    """
+
+    def __init__(self, tools: list[str] | None, environment: dict | None, max_turns: int, tool_timeout: float,
+                 max_episode_tokens: int) -> None:
+        self.toolbox = Toolbox.from_paths(tools, timeout=tool_timeout) if tools else None
+        self.factory = None
+        if environment is not None:
+            if not isinstance(environment, dict) or "class_path" not in environment:
+                raise ValueError(f"data.environment={environment!r}; expected {{class_path: ..., init_args: {{...}}}}.")
+            self.factory = EnvironmentFactory(environment["class_path"], environment.get("init_args"),
+                                              timeout=tool_timeout)
+        self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
+        self.format = None  # the tokenizer's call format, learnt at first use
+
+    def rewards(self, rewards: list, environment_weight: float) -> RewardCombiner:
+        """``rewards`` over episodes, plus the environment's own when it has one.
+
+        Raises:
+            ValueError: No reward at all (``data.rewards`` empty, no ``get_reward``).
+        """
+        entries = [_Episodic(fn, name, weight, _reads_text(fn))
+                   for name, fn, weight in (RewardCombiner(rewards).entries if rewards else [])]
+        if self.factory is not None and self.factory.has_reward:
+            entries.append(EnvironmentReward(environment_weight))
+        if not entries:
+            raise ValueError("data.rewards is empty and data.environment has no get_reward(); give the episodes "
+                             "a reward (a reward function, or an environment that scores them).")
+        return RewardCombiner(entries)
+
+    def check(self, rows: list[dict]) -> None:
+        """Reset an environment on every row, so a failing ``reset`` stops the run before training."""
+        if self.factory is not None:
+            self.factory.check(rows)
+
+    def start(self, datamodule, rows: list[dict], repeat: int):
+        """Fresh episodes for ``rows``, ``repeat`` per row: ``(prompt_ids, prompt_mask, spec, environments)``.
+
+        ``environments`` holds each episode's environment instance (``None`` without one).
+        """
+        toolboxes, environments, resets = [], [], []
+        for row in rows:
+            if self.factory is None:
+                toolboxes += [self.toolbox] * repeat
+                environments += [None] * repeat
+                resets.append(None)
+                continue
+            started = [self.factory.new(row) for _ in range(repeat)]
+            texts = {text for _, text, _ in started}
+            if len(texts) > 1:
+                raise ValueError(f"data.environment: {self.factory.class_path}.reset returned different texts for "
+                                 f"one row ({sorted(map(str, texts))[:2]}); the episodes of a group share their "
+                                 "prompt, so reset's text may depend on the row only.")
+            environments += [instance for instance, _, _ in started]
+            toolboxes += [box.merged(self.toolbox) if self.toolbox else box for _, _, box in started]
+            resets.append(started[0][1])
+        tokenizer, hp = datamodule.trainer.lightning_module.tokenizer, datamodule.hparams
+        ids, mask = encode_prompts(tokenizer, self.prompts(datamodule, rows, resets, toolboxes[::repeat]),
+                                   hp.max_prompt_length, hp.prompt_overflow)
+        spec = EpisodeSpec(toolboxes, self.call_format(tokenizer), self.max_turns, self.max_episode_tokens,
+                           hp.completion_prefix)
+        return ids, mask, spec, environments
+
+    def call_format(self, tokenizer):
+        """How ``tokenizer``'s model writes calls (:func:`lit_grpo.environments.call_format`), probed once."""
+        if self.format is None:
+            self.format = call_format(tokenizer)
+        return self.format
+
+    def prompts(self, datamodule, rows: list[dict], resets: list[str | None] | None = None,
+                toolboxes: list[Toolbox] | None = None) -> list[str]:
+        """Chat-formatted prompts with the tools described (and each row's reset text), the prefix after."""
+        tokenizer, hp = datamodule.trainer.lightning_module.tokenizer, datamodule.hparams
+        if resets is None:  # prompts to measure or show: a fresh environment per row
+            started = [self.factory.new(row) if self.factory else (None, None, self.toolbox) for row in rows]
+            resets, toolboxes = [text for _, text, _ in started], [box for _, _, box in started]
+        fmt, texts = self.call_format(tokenizer), []
+        for row, reset, toolbox in zip(rows, resets, toolboxes):
+            user = hp.prompt_template.format(prompt=row["prompt"]) + (f"\n\n{reset}" if reset else "")
+            messages = [{"role": "system", "content": hp.system_prompt}] if hp.system_prompt else []
+            messages = fmt.system_prompt(tokenizer, [*messages, {"role": "user", "content": user}], toolbox.schemas)
+            extra = {"tools": toolbox.schemas} if isinstance(fmt, TemplateFormat) else {}
+            texts.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+                         + hp.completion_prefix)
+        return texts
+
+
+def environment_rewards(environments: list) -> list[float | None]:
+    """Each episode's ``get_reward()`` (``None`` where the episode has no environment)."""
+    return [None if env is None else float(env.get_reward()) for env in environments]
