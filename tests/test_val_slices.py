@@ -65,7 +65,7 @@ def test_a_slice_of_a_small_task_takes_what_it_has():
                               val_slices={"1+1": {"digits": 1}})
     data.setup()
     assert len(data.val_slices["1+1"]) == 64
-    with pytest.raises(ValueError, match=r"data.val_slices\['1\+1'\]=.*exceeds the 100 distinct questions.*val_size=200"):
+    with pytest.raises(ValueError, match=r"data.val_slices\['1\+1'\]=.*it has 100 distinct ones.*val_size=200"):
         OnPolicyDataModule(task_args={"digits": 2, "ops": "+"}, train_size=300, val_size=200,
                            val_slices={"1+1": {"digits": 1}}).setup()
 
