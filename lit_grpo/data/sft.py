@@ -112,7 +112,8 @@ class SFTDataModule(ResumableBatches, L.LightningDataModule):
 
     def _load(self, split: str, size: int) -> list[dict]:
         hp = self.hparams
-        rows = rename_columns(load_rows(hp.source, split, hp.task_args, hp.seed, size), hp.columns or {}, hp.source)
+        rows = rename_columns(load_rows(hp.source, split, hp.task_args, hp.seed, size), hp.columns or {}, hp.source,
+                              require_prompt=False)  # conversations have messages instead
         if "messages" not in rows[0] and not {"prompt", "completion"} <= set(rows[0]):
             raise ValueError(
                 f"data.source={hp.source!r} has neither 'prompt' + 'completion' nor 'messages' columns, which "

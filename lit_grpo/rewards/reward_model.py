@@ -245,8 +245,10 @@ def _shared_adapter(folder: str, module, tokenizer) -> tuple[nn.Module, nn.Linea
                              f"this policy has {ours!r}; with shared_base=true both must be the same base (train the "
                              "reward model with this policy's settings, or set shared_base=false).")
     if SHARED_ADAPTER not in policy.peft_config:
+        was_training = policy.training
         with kept_requires_grad(policy):
             policy.load_adapter(folder, adapter_name=SHARED_ADAPTER, is_trainable=False)
+        policy.train(was_training)  # peft puts the whole model in eval mode when it loads a frozen adapter
     weight = load_file(Path(folder) / HEAD_FILE)["weight"]  # [1, H]
     device = next(policy.parameters()).device
     head = nn.Linear(weight.shape[1], 1, bias=False, device=device, dtype=weight.dtype).requires_grad_(False)
