@@ -139,7 +139,7 @@ class RewardModel(Reward):
         self.head: nn.Linear | None = None  # the head on the shared base
 
     def bind(self, module) -> None:
-        """Score on ``module``'s device (and, with ``shared_base``, on its policy), loading now.
+        """Score on ``module``'s policy's device (and, with ``shared_base``, on the policy itself), loading now.
 
         Called by :meth:`RewardCombiner.bind` once the policy is built, before
         FSDP2 shards it; a second call for the same module does nothing.
@@ -152,10 +152,9 @@ class RewardModel(Reward):
             return
         from transformers import AutoModelForSequenceClassification
 
-        device = next(module.policy.parameters()).device if module.policy is not None else module.device
         model = AutoModelForSequenceClassification.from_pretrained(self.folder, dtype=self.dtype)
         model.config.pad_token_id = self.tokenizer.pad_token_id
-        self.model = model.requires_grad_(False).eval().to(device)
+        self.model = model.requires_grad_(False).eval()
 
     @torch.no_grad()
     def scores(self, prompts: list[str], completions: list[str]) -> torch.Tensor:
@@ -163,7 +162,7 @@ class RewardModel(Reward):
         if self.model is None:
             raise RuntimeError(f"RewardModel {self.name!r} was never bound to a policy (RewardCombiner.bind); "
                                "GRPO modules bind their DataModule's rewards when they load the policy.")
-        device = next(self.model.parameters()).device
+        device = self._follow_the_policy()
         out = []
         for start in range(0, len(prompts), self.batch_size):
             ids, mask = encode_conversations(self.tokenizer, prompts[start : start + self.batch_size],
@@ -171,6 +170,14 @@ class RewardModel(Reward):
                                              self.max_length)
             out.append(self._score(ids.to(device), mask.to(device)).cpu())
         return torch.cat(out)  # [N]
+
+    def _follow_the_policy(self) -> torch.device:
+        """Move what scores to the policy's device (the strategy moves the policy after binding)."""
+        device = next(self.module.policy.parameters()).device
+        for part in (self.model, self.head):
+            if part is not None and next(part.parameters()).device != device:
+                part.to(device)
+        return device
 
     def _score(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if not self.shared_base:
