@@ -156,3 +156,10 @@ def test_tiny_model_learns_the_demonstrations(tiny_model_dir):
     (after,) = fit.validate(module, data, verbose=False)
     assert after["val/loss"] < 0.5 * before["val/loss"]
     assert 0.0 <= after["val/accuracy"] <= 1.0
+
+
+def test_tokenizer_without_chat_template_is_refused_at_setup(tiny_model_dir):
+    module = SFTModule(policy=PolicySpec(name_or_path=tiny_model_dir), progress=False)
+    module.tokenizer.chat_template = None
+    with pytest.raises(ValueError, match="the tokenizer has no chat template, which SFT rows need"):
+        attached(module, SFTDataModule(train_size=4, val_size=2))

@@ -109,6 +109,8 @@ class SFTDataModule(ResumableBatches, L.LightningDataModule):
             self.train_rows, self.val_rows = rows[hp.val_size :], rows[: hp.val_size]
         if self.val_reward is None and "answer" in self.val_rows[0]:
             self.val_reward = Accuracy()
+        if self.trainer is not None:
+            self.collate(self.train_rows[:1])  # a tokenizer without a chat template fails now, not at batch 1
 
     def _load(self, split: str, size: int) -> list[dict]:
         hp = self.hparams
@@ -151,6 +153,9 @@ class SFTDataModule(ResumableBatches, L.LightningDataModule):
     def collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         """Tokenize rows, split each where its first trained token starts (see the module docstring)."""
         tokenizer = self.trainer.lightning_module.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template, which SFT rows need (prompts and assistant turns "
+                             "are rendered with it); use an instruct/chat model or set tokenizer.chat_template.")
         prompts, completions, trained = [], [], []
         for row in rows:
             ids, mask = [], []
