@@ -68,8 +68,7 @@ def main(argv: list[str]) -> None:
         scores = [per_epoch(rows, "reward/reward_model") for rows in seeds]
         verified = [per_epoch(rows, "reward/accuracy") for rows in seeds]
         epochs = sorted(set.intersection(*(set(s) for s in scores)))
-        shown = epochs[:: max(len(epochs) // 5, 1)] + ([epochs[-1]] if epochs and len(epochs) % 5 != 1 else [])
-        for epoch in dict.fromkeys(shown):
+        for epoch in sorted(set(epochs[::4]) | set(epochs[-1:])):  # every 4th epoch and the last
             print(f"| {label} | {epoch} | {_cell([s[epoch] for s in scores])} | "
                   f"{_cell([v[epoch] for v in verified if epoch in v])} |")
 
