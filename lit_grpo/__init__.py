@@ -1,7 +1,8 @@
 """lit_grpo: GRPO for PyTorch Lightning.
 
 ``from lit_grpo import GRPOModule, OnPolicyDataModule, PolicySpec, LoraSpec, SamplingSpec``
-(and ``PPOModule``, ``DPOModule``, ``PreferenceDataModule``, ...) is the way in. These names
+(and ``PPOModule``, ``DPOModule``, ``PreferenceDataModule``, ``SFTModule``,
+``RewardModelModule``, ...) is the way in. These names
 are imported on first use, so that ``import lit_grpo.objectives`` (the pure
 torch math) and ``import lit_grpo.rewards`` never pull Lightning or
 transformers.
@@ -28,6 +29,10 @@ _EXPORTS = {
     "DPOModule": "lit_grpo.algorithms.dpo",
     "PPOModule": "lit_grpo.algorithms.ppo",
     "PreferenceDataModule": "lit_grpo.data.preferences",
+    "SFTModule": "lit_grpo.algorithms.sft",
+    "SFTDataModule": "lit_grpo.data.sft",
+    "RewardModelModule": "lit_grpo.algorithms.reward_model",
+    "RewardDataModule": "lit_grpo.data.reward_pairs",
     "PolicyModule": "lit_grpo.algorithms.base",
     "PolicySpec": "lit_grpo.policy",
     "LoraSpec": "lit_grpo.policy",

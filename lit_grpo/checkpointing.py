@@ -46,7 +46,7 @@ from lit_grpo.policy import PolicySpec
 
 # The settings that decide what the trainable weights are: a checkpoint saved
 # under other values does not fit (or silently means something else).
-_POLICY_FIELDS = ("name_or_path", "gguf_file", "load_in_4bit")
+_POLICY_FIELDS = ("name_or_path", "gguf_file", "load_in_4bit", "init_adapter")
 _LORA_FIELDS = ("r", "alpha", "target_modules")
 
 

@@ -287,6 +287,8 @@ COMMANDS = {
     "plot": "draw a finished run's curves: lit-grpo plot RUN_DIR",
     "dpo": "train with DPO: lit-grpo dpo fit --config configs/dpo_quickstart.yaml",
     "ppo": "train with PPO and a critic: lit-grpo ppo fit --config configs/ppo_quickstart.yaml",
+    "sft": "supervised fine-tuning: lit-grpo sft fit --config configs/sft_quickstart.yaml",
+    "rm": "train a reward model on preference pairs: lit-grpo rm fit --config configs/rm_quickstart.yaml",
 }
 HELP = "\n".join([
     "usage: lit-grpo COMMAND [options]",
@@ -348,7 +350,30 @@ def _run(argv: list[str]) -> None:
         PolicyCli(DPOModule, PreferenceDataModule, args=argv[1:], save_config_kwargs={"overwrite": True},
                   parser_kwargs={"prog": "lit-grpo dpo"})
         return
+    if argv[0] in _DATASET_COMMANDS:
+        module_class, datamodule_class = _DATASET_COMMANDS[argv[0]]()
+        PolicyCli(module_class, datamodule_class, args=argv[1:], save_config_kwargs={"overwrite": True},
+                  parser_kwargs={"prog": f"lit-grpo {argv[0]}"})
+        return
     GRPOCli(GRPOModule, OnPolicyDataModule, args=argv, save_config_kwargs={"overwrite": True})
+
+
+def _sft_classes():
+    from lit_grpo.algorithms.sft import SFTModule
+    from lit_grpo.data.sft import SFTDataModule
+
+    return SFTModule, SFTDataModule
+
+
+def _rm_classes():
+    from lit_grpo.algorithms.reward_model import RewardModelModule
+    from lit_grpo.data.reward_pairs import RewardDataModule
+
+    return RewardModelModule, RewardDataModule
+
+
+# Subcommands that train on a fixed dataset: name -> () -> (module class, DataModule class).
+_DATASET_COMMANDS = {"sft": _sft_classes, "rm": _rm_classes}
 
 
 if __name__ == "__main__":

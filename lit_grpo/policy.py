@@ -82,6 +82,11 @@ class PolicySpec:
             PyTorch serve grouped-query heads without copying keys and values
             (:mod:`lit_grpo.attention`). On CPUs in bfloat16, ``eager`` trains
             faster than ``sdpa``, whose CPU backward is slow in bf16.
+        init_adapter: A trained PEFT LoRA adapter folder (what ``lit-grpo sft
+            fit --export_adapter`` writes) folded into the frozen base weights
+            at load: the model with the new adapter disabled, the reference,
+            is then exactly that adapter's model (the SFT policy, as RLHF's
+            reference is), and a fresh adapter trains on top.
     """
 
     name_or_path: str = EMBEDDED
@@ -92,6 +97,7 @@ class PolicySpec:
     gradient_checkpointing: bool = False
     cache_dir: str | None = None
     attn_implementation: str | None = None
+    init_adapter: str | None = None
 
     def __post_init__(self) -> None:
         if self.load_in_4bit and self.lora is None:
@@ -318,9 +324,35 @@ def load_base_model(spec: PolicySpec) -> nn.Module:
                         values={"name_or_path": spec.name_or_path}, dtype=spec.torch_dtype, **kwargs)
     if kwargs.get("gguf_file"):
         _forget_gguf_quantizer(model)
+    if spec.init_adapter:
+        model = fold_adapter(model, spec.init_adapter)
     if spec.attn_implementation is None:
         use_sdpa_gqa(model)  # transformers' sdpa, minus its key/value copies for grouped-query heads
     return model
+
+
+def fold_adapter(model: nn.Module, path: str) -> nn.Module:
+    """Return ``model`` with the LoRA adapter in folder ``path`` merged into its weights.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a PEFT adapter folder.
+        ValueError: The adapter does not fit ``model`` (another base model).
+    """
+    from peft import PeftModel
+
+    if not (Path(path) / "adapter_config.json").is_file():
+        raise FileNotFoundError(
+            f"policy.init_adapter={path!r} is not a PEFT adapter folder (no adapter_config.json); pass the "
+            "folder --export_adapter wrote (a fully fine-tuned model goes in policy.name_or_path instead)."
+        )
+    try:
+        adapted = PeftModel.from_pretrained(model, path)
+    except (RuntimeError, ValueError, KeyError) as error:
+        raise ValueError(
+            f"policy.init_adapter={path!r} does not fit policy.name_or_path's model ({type(error).__name__}: "
+            f"{str(error).splitlines()[0][:160]}); pass an adapter trained on this base model."
+        ) from error
+    return adapted.merge_and_unload()
 
 
 def build_policy(

@@ -14,14 +14,14 @@ def test_help_lists_the_commands_and_prints_no_warning():
     result = lit_grpo("--help")
     assert result.returncode == 0 and result.stderr == ""
     listed = [line.split()[0] for line in result.stdout.splitlines() if line.startswith("  ")]
-    assert listed == ["fit", "validate", "eval", "plot", "dpo", "ppo"]
+    assert listed == ["fit", "validate", "eval", "plot", "dpo", "ppo", "sft", "rm"]
 
 
 def test_lightning_commands_that_do_nothing_here_are_gone():
     result = lit_grpo("test")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
-        "lit-grpo: unknown command 'test'; expected one of ['fit', 'validate', 'eval', 'plot', 'dpo', 'ppo'].")
+        "lit-grpo: unknown command 'test'; expected one of ['fit', 'validate', 'eval', 'plot', 'dpo', 'ppo', 'sft', 'rm'].")
     fit_help = lit_grpo("fit", "--help")
     assert fit_help.returncode == 0 and "--export_adapter" in fit_help.stdout and "Warning" not in fit_help.stderr
 
@@ -31,3 +31,9 @@ def test_eval_help_shows_its_options():
     assert result.returncode == 0 and "Warning" not in result.stderr
     for option in ("--adapter", "--samples", "--pass_k", "--out", "--data.source", "--model.policy"):
         assert option in result.stdout, option
+
+
+def test_sft_and_rm_help_show_their_options():
+    for command, option in (("sft", "--data.val_max_new_tokens"), ("rm", "--data.max_completion_length")):
+        result = lit_grpo(command, "fit", "--help")
+        assert result.returncode == 0 and "--model.policy" in result.stdout and option in result.stdout

@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -92,3 +93,42 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path, tiny_model_dir):
     assert expected.keys() == actual.keys()
     for name in expected:
         assert torch.equal(expected[name], actual[name]), name  # bitwise, not merely close
+
+
+# ---------------------------------------------- dataset modules (SFT, reward model)
+def _dataset_run(kind: str, model_dir: str, root: Path, ckpt_path: Path | None = None) -> dict[str, torch.Tensor]:
+    """Two epochs of 3 batches of an SFT or reward-model run with a checkpoint after every step;
+    the trainable weights at the end."""
+    import lightning as L
+
+    from lit_grpo.algorithms.reward_model import RewardModelModule
+    from lit_grpo.algorithms.sft import SFTModule
+    from lit_grpo.data.reward_pairs import RewardDataModule
+    from lit_grpo.data.sft import SFTDataModule
+    from lit_grpo.policy import LoraSpec, PolicySpec
+
+    module_class, data_class = {"sft": (SFTModule, SFTDataModule), "rm": (RewardModelModule, RewardDataModule)}[kind]
+    policy = PolicySpec(name_or_path=model_dir, lora=LoraSpec(r=4, alpha=8, dropout=0.1))  # dropout draws the RNG
+    module = module_class(policy=policy, progress=False, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+    data = data_class(train_size=12, val_size=4, batch_size=4)
+    checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=1, save_top_k=-1)
+    trainer = L.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                        callbacks=[checkpoints] if ckpt_path is None else [])
+    trainer.fit(module, data, ckpt_path=ckpt_path)
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+@pytest.mark.parametrize("kind", ["sft", "rm"])
+def test_dataset_runs_resume_exactly_from_inside_an_epoch(tmp_path, tiny_model_dir, kind):
+    import lightning as L
+
+    L.seed_everything(0)
+    straight = _dataset_run(kind, tiny_model_dir, tmp_path / "ckpt")
+    assert any(k.endswith("reward_head.weight") for k in straight) == (kind == "rm")
+    for name in ("epoch=0-step=1", "epoch=1-step=5"):  # after batch 1 of epoch 0, after batch 2 of epoch 1
+        L.seed_everything(123)  # the resumed run must not depend on the global RNG it starts with
+        resumed = _dataset_run(kind, tiny_model_dir, tmp_path / "unused", tmp_path / "ckpt" / f"{name}.ckpt")
+        assert straight.keys() == resumed.keys()
+        for key in straight:
+            assert torch.equal(straight[key], resumed[key]), (name, key)

@@ -76,6 +76,10 @@ class PolicyModule(L.LightningModule):
         """Load the policy once (Lightning may call this more than once); shard it under FSDP2."""
         if self.policy is None:
             self.policy, self.reference = build_policy(self.spec, need_reference=self.needs_reference)
+        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        bind = getattr(getattr(datamodule, "rewards", None), "bind", None)
+        if bind is not None:  # a reward model on the policy's base adds its adapter before FSDP2 wraps the layers
+            bind(self)
         if self.device_mesh is not None:  # ModelParallelStrategy
             for model in (self.policy, self.reference):
                 if model is not None:

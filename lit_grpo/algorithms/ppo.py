@@ -44,6 +44,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from lit_grpo.adapters import active_adapter, kept_requires_grad
 from lit_grpo.algorithms.grpo import SCORED_KEYS, GRPOModule
 from lit_grpo.distributed import full_tensors, shard
 from lit_grpo.generation import GenerationSpec
@@ -150,7 +151,6 @@ class PPOModule(GRPOModule):
         self.critic_spec = critic
         self.critic_model: nn.Module | None = None  # the separate critic, built in configure_model
         self.value_head: nn.Linear | None = None
-        self._trainable: list[nn.Parameter] = []  # both adapters of the shared critic's policy
 
     # ------------------------------------------------------------------ model
     @property
@@ -184,18 +184,9 @@ class PPOModule(GRPOModule):
                 fully_shard(self.value_head, mesh=self.device_mesh)
         if self.critic_spec is None:
             # Both adapters train; collected after sharding, since FSDP2 swaps in parameters of its own.
-            self._trainable = [p for name, p in self.policy.named_parameters() if "lora_" in name]
-            for p in self._trainable:
-                p.requires_grad_(True)  # peft leaves only the active adapter trainable
-
-    @contextlib.contextmanager
-    def _adapters_kept_trainable(self) -> Iterator[None]:
-        """Undo peft's requires_grad toggling (``set_adapter``, ``disable_adapter``) on exit."""
-        try:
-            yield
-        finally:
-            for p in self._trainable:
-                p.requires_grad_(True)
+            for name, p in self.policy.named_parameters():
+                if any(f"lora_{part}.{adapter}." in name for part in "AB" for adapter in (ACTOR, CRITIC)):
+                    p.requires_grad_(True)  # peft leaves only the active adapter trainable
 
     @contextlib.contextmanager
     def _critic(self) -> Iterator[nn.Module]:
@@ -203,16 +194,12 @@ class PPOModule(GRPOModule):
         if self.critic_model is not None:
             yield self.critic_model
             return
-        with self._adapters_kept_trainable():
-            self.policy.set_adapter(CRITIC)
-            try:
-                yield self.policy
-            finally:
-                self.policy.set_adapter(ACTOR)
+        with active_adapter(self.policy, CRITIC) as model:
+            yield model
 
     @contextlib.contextmanager
     def reference_model(self) -> Iterator[nn.Module]:
-        with self._adapters_kept_trainable(), super().reference_model() as model:
+        with kept_requires_grad(self.policy), super().reference_model() as model:
             yield model
 
     def trainable_parameters(self) -> list[nn.Parameter]:

@@ -118,7 +118,14 @@ class PreferenceDataModule(L.LightningDataModule):
                 f"Available columns: {sorted(rows[0])}."
             )
         for name in _PAIR_COLUMNS:
-            _column_text(rows[0][name], name)  # fail now, not mid-epoch, on an unusable value
+            column_text(rows[0][name], name)  # fail now, not mid-epoch, on an unusable value
+        for i, row in enumerate(rows):
+            if column_text(row["chosen"], "chosen").strip() == column_text(row["rejected"], "rejected").strip():
+                raise ValueError(
+                    f"data.source={hp.source!r} split {split!r} row {i}: chosen and rejected are the same reply "
+                    f"({column_text(row['chosen'], 'chosen')!r:.60}), so the pair prefers nothing; drop the row "
+                    "or fix one side."
+                )
         return rows
 
     # ---------------------------------------------------------------- loaders
@@ -134,11 +141,11 @@ class PreferenceDataModule(L.LightningDataModule):
         """Tokenize B pairs into 2B rows, chosen first (see the module docstring)."""
         hp = self.hparams
         tokenizer = self.trainer.lightning_module.tokenizer
-        prompts = chat_prompts(tokenizer, [_column_text(r["prompt"], "prompt") for r in rows],
+        prompts = chat_prompts(tokenizer, [column_text(r["prompt"], "prompt") for r in rows],
                                hp.system_prompt, hp.prompt_template)
         prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, hp.max_prompt_length, hp.prompt_overflow)
-        replies = [_column_text(r["chosen"], "chosen") for r in rows] + [
-            _column_text(r["rejected"], "rejected") for r in rows]
+        replies = [column_text(r["chosen"], "chosen") for r in rows] + [
+            column_text(r["rejected"], "rejected") for r in rows]
         completion_ids, completion_mask = encode_completions(
             tokenizer, replies, hp.max_completion_length, hp.completion_overflow)
         return {
@@ -149,7 +156,7 @@ class PreferenceDataModule(L.LightningDataModule):
         }
 
 
-def _column_text(value, column: str) -> str:
+def column_text(value, column: str) -> str:
     """A column's text: a string, or the content of a chat message list's last message."""
     if isinstance(value, str):
         return value

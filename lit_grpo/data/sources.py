@@ -211,11 +211,13 @@ def check_utf8(path: Path, name: str) -> None:
             offset, lines = offset + len(block), lines + block.count(b"\n")
 
 
-def rename_columns(rows: list[dict], columns: dict[str, str], source: str) -> list[dict]:
+def rename_columns(rows: list[dict], columns: dict[str, str], source: str,
+                   require_prompt: bool = True) -> list[dict]:
     """Apply the column map (``our name -> dataset column``) and check it.
 
     Raises:
-        ValueError: The dataset is empty, or a mapped column is missing.
+        ValueError: The dataset is empty, a mapped column is missing, or (with
+            ``require_prompt``) there is no ``prompt`` column.
     """
     if not rows:
         raise ValueError(f"data.source={source!r} has no rows; expected a non-empty dataset.")
@@ -228,7 +230,7 @@ def rename_columns(rows: list[dict], columns: dict[str, str], source: str) -> li
             )
     inverse = {theirs: ours for ours, theirs in columns.items()}
     renamed = [{inverse.get(k, k): v for k, v in row.items()} for row in rows]
-    if "prompt" not in renamed[0]:
+    if require_prompt and "prompt" not in renamed[0]:
         raise ValueError(
             f"data.source={source!r} has no 'prompt' column; map one with data.columns, e.g. "
             f"{{'prompt': 'question'}}. Available columns: {sorted(available)}."

@@ -3,6 +3,8 @@
 ``arithmetic``: "What is 47 + 38?" with the exact answer (+, -, x).
 ``arithmetic_preferences``: the same questions as preference pairs for DPO,
 the worked answer ("47 + 38 = 85") chosen and a plausible slip rejected.
+``arithmetic_sft``: the same questions with that worked answer as the
+demonstration (``completion``), for supervised fine-tuning.
 ``countdown``: reach a target with the given numbers, each used once, with
 ``+ - * /``; the ``countdown`` reward checks the expression with a safe
 evaluator. Each row also carries one valid solution as ``answer``.
@@ -69,6 +71,17 @@ def arithmetic_preferences(n: int, seed: int, digits: int | list[int] = 2, ops: 
             "answer": str(right),
         })
     return rows
+
+
+def arithmetic_sft(n: int, seed: int, digits: int | list[int] = 2, ops: str = "+-*") -> list[dict]:
+    """Generate ``n`` arithmetic demonstrations: the questions of :func:`arithmetic`
+    with the worked answer as ``completion`` (the chosen reply of :func:`arithmetic_preferences`).
+
+    Returns:
+        Rows with ``prompt``, ``completion`` and ``answer``.
+    """
+    return [{"prompt": row["prompt"], "completion": row["chosen"], "answer": row["answer"]}
+            for row in arithmetic_preferences(n, seed, digits, ops)]
 
 
 def _slip(right: int, rng: random.Random) -> int:
@@ -157,6 +170,7 @@ def _random_expression(numbers: list[int], rng: random.Random) -> tuple[str, flo
 TASKS: dict[str, Callable[..., list[dict]]] = {
     "arithmetic": arithmetic,
     "arithmetic_preferences": arithmetic_preferences,
+    "arithmetic_sft": arithmetic_sft,
     "countdown": countdown,
     "word_problems": word_problems,
     "guess_number": guess_number,

@@ -23,6 +23,10 @@ Pipeline, one rollout batch of B prompts x G completions (N = B*G rows):
   reference, see :func:`sequence_logps`) -> the sigmoid DPO loss, same
   :class:`LossOutput`.
 
+* :func:`sft_loss` -- demonstration tokens' log-probs -> their mean NLL;
+  :func:`bradley_terry_loss` -- a reward model's scores of preference pairs
+  -> the pairwise loss (:mod:`lit_grpo.objectives.sft`).
+
 Other objectives belong in their own module here and return the same
 :class:`LossOutput`.
 """
@@ -41,9 +45,11 @@ from lit_grpo.objectives.estimators import (
 from lit_grpo.objectives.grpo import LossOutput, grpo_loss
 from lit_grpo.objectives.ppo import ppo_loss
 from lit_grpo.objectives.logprobs import head_logprobs, token_entropy, token_logprobs
+from lit_grpo.objectives.sft import bradley_terry_loss, sft_loss
 
 __all__ = [
     "Advantages",
+    "bradley_terry_loss",
     "LossOutput",
     "TokenAdvantages",
     "discounted_returns",
@@ -57,6 +63,7 @@ __all__ = [
     "reinforce_pp_advantages",
     "rloo_advantages",
     "sequence_logps",
+    "sft_loss",
     "token_entropy",
     "token_logprobs",
     "whiten",

@@ -1,4 +1,4 @@
-"""Verifiable rewards: the protocol, the combiner, the built-ins and the sandbox.
+"""Rewards: the protocol, the combiner, the verifiable built-ins, the sandbox, and a trained reward model.
 
 A reward function is any ``f(prompts, completions, **columns) -> list[float | None]``
 (see :mod:`lit_grpo.rewards.base`). The built-ins are plain functions of that
@@ -26,6 +26,7 @@ from lit_grpo.rewards.math import (
     language_consistency,
     overlong_penalty,
 )
+from lit_grpo.rewards.reward_model import RewardModel
 from lit_grpo.rewards.sandbox import Program, Sandbox, SandboxResult
 
 # Reward functions reachable by bare name (e.g. ``FromCallable(function="accuracy")``).
@@ -47,6 +48,7 @@ __all__ = [
     "Reward",
     "RewardCombiner",
     "RewardFunctionError",
+    "RewardModel",
     "RewardScores",
     "Sandbox",
     "SandboxResult",

@@ -152,6 +152,13 @@ class RewardCombiner:
                     f"e.g. {{{missing[0]!r}: 'your_column'}}, or drop the reward."
                 )
 
+    def bind(self, module) -> None:
+        """Hand the training module to every reward that runs a model of its own (one with a
+        ``bind`` method, e.g. :class:`~lit_grpo.rewards.RewardModel`): it loads onto the policy's device."""
+        for _, fn, _ in self.entries:
+            if callable(getattr(fn, "bind", None)):
+                fn.bind(module)
+
     @property
     def names(self) -> list[str]:
         """The rewards' names, in order."""

@@ -1,0 +1,145 @@
+"""RewardModelModule: a Bradley-Terry reward model, a LoRA adapter plus a scalar head on the base.
+
+RLHF's second stage (InstructGPT): learn a score ``r(prompt, reply)`` from
+preference pairs with ``-log sigmoid(r(chosen) - r(rejected))``
+(:func:`lit_grpo.objectives.bradley_terry_loss`). The score is a bias-free
+``Linear(hidden, 1)`` head on the decoder's last hidden state at the
+conversation's last token that is not padding
+(:func:`lit_grpo.rewards.reward_model.backbone_scores`), the rule of
+transformers' sequence-classification models, so the export below scores
+exactly as training did. The head has no bias because the loss only sees
+differences of scores. Loading, (Q)LoRA or full fine-tuning, the optimizer,
+checkpoints and strategies come from :class:`~lit_grpo.algorithms.base.PolicyModule`.
+
+Validation: the pairwise accuracy on held-out pairs (chosen scored higher)
+and the mean reward margin. ``--export_adapter DIR`` writes ``DIR`` as a
+transformers sequence-classification model (adapter merged,
+``AutoModelForSequenceClassification.from_pretrained(DIR)`` loads it) and,
+with LoRA, ``DIR/adapter`` as adapter + head, which
+:class:`~lit_grpo.rewards.RewardModel` with ``shared_base: true`` loads onto
+a policy's own base.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import warnings
+from pathlib import Path
+
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from lit_grpo.algorithms.supervised import SupervisedModule
+from lit_grpo.distributed import full_tensors
+from lit_grpo.generation.merged import merged_weights
+from lit_grpo.objectives import LossOutput, bradley_terry_loss
+from lit_grpo.policy import PolicySpec, build_policy
+from lit_grpo.rewards.reward_model import ADAPTER_DIR, BASE_FILE, HEAD_FILE, backbone_scores
+
+
+class RewardModelModule(SupervisedModule):
+    """Bradley-Terry reward model: the policy's base, a LoRA adapter and a scalar head.
+
+    Args:
+        policy: The base model, its adapter (``lora: null`` fine-tunes it
+            fully), quantization and dtype. ``init_adapter`` folds an SFT
+            adapter into the base first, so that the reward model can later
+            share the base of a policy started from that adapter.
+        optimizer: Optimizer factory over adapter and head; ``None`` gives
+            AdamW with lr 1e-4 and no weight decay.
+        scheduler: Optional learning-rate scheduler factory (stepped per optimizer step).
+        max_nonfinite_steps: Consecutive optimizer steps with a NaN/inf
+            gradient that are skipped before training stops with an error.
+        progress: Print the validation metrics before training and after each validation.
+    """
+
+    shown_metrics = ("val/loss", "val/accuracy", "val/margin")
+
+    def __init__(
+        self,
+        policy: PolicySpec | None = None,
+        optimizer: OptimizerCallable | None = None,
+        scheduler: LRSchedulerCallable | None = None,
+        max_nonfinite_steps: int = 3,
+        progress: bool = True,
+    ) -> None:
+        super().__init__(policy, optimizer, scheduler, max_nonfinite_steps)
+        self.save_hyperparameters(ignore=["optimizer", "scheduler"])
+        self.reward_head: nn.Linear | None = None
+
+    def configure_model(self) -> None:
+        """Load the base with its adapter and the head (once); shard both under FSDP2."""
+        if self.policy is None:
+            self.policy, _ = build_policy(self.spec, need_reference=False)
+            device = next(self.policy.parameters()).device
+            self.reward_head = nn.Linear(self.policy.config.hidden_size, 1, bias=False, device=device)
+        super().configure_model()
+        if self.device_mesh is not None and not isinstance(self.reward_head, FSDPModule):
+            fully_shard(self.reward_head, mesh=self.device_mesh)  # its gradients reduced across ranks too
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return super().trainable_parameters() + list(self.reward_head.parameters())
+
+    def scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """``[N]`` float32 reward of each conversation."""
+        return backbone_scores(self.policy, self.reward_head, input_ids, attention_mask,
+                               self.tokenizer.pad_token_id)
+
+    def batch_loss(self, batch: dict) -> LossOutput:
+        chosen, rejected = self.scores(batch["input_ids"], batch["attention_mask"]).chunk(2)  # [B], [B]
+        return bradley_terry_loss(chosen, rejected)
+
+    def batch_rows(self, batch: dict) -> int:
+        return batch["input_ids"].shape[0] // 2  # pairs
+
+    # ----------------------------------------------------------------- export
+    def export_adapter(self, path: str | Path) -> Path:
+        """Write ``path`` as a sequence-classification model and, with LoRA, ``path/adapter`` as
+        adapter + head (see the module docstring). Call it on every rank: FSDP2-sharded
+        weights are gathered first (a collective); rank 0 writes."""
+        path = Path(path)
+        head = full_tensors(self.reward_head.state_dict().items())
+        if self.spec.lora is not None:
+            folder = super().export_adapter(path / ADAPTER_DIR)
+            if self.global_rank == 0:
+                save_file({k: v.contiguous() for k, v in head.items()}, folder / HEAD_FILE)
+                base = {"name_or_path": self.spec.name_or_path, "init_adapter": self.spec.init_adapter,
+                        "policy": dataclasses.asdict(self.spec)}
+                (folder / BASE_FILE).write_text(json.dumps(base, indent=2))
+        if self.device_mesh is not None or self.spec.load_in_4bit:
+            warnings.warn(f"the sequence-classification export needs the whole model unquantized in one process "
+                          f"(this one is {'sharded' if self.device_mesh is not None else '4-bit'}), so only "
+                          f"{path / ADAPTER_DIR} was written: adapter + head, which "
+                          "RewardModel(shared_base=true) loads.", stacklevel=2)
+            return path
+        if self.global_rank == 0:
+            self.classifier(head["weight"]).save_pretrained(path)
+            self.tokenizer.save_pretrained(path)
+        return path
+
+    @torch.no_grad()
+    def classifier(self, head_weight: torch.Tensor) -> nn.Module:
+        """A transformers sequence-classification model with the adapter merged and this head."""
+        from transformers import AutoModelForSequenceClassification
+
+        base = self.policy.get_base_model() if self.spec.lora is not None else self.policy
+        config = copy.deepcopy(base.config)
+        config.num_labels, config.pad_token_id, config.architectures = 1, self.tokenizer.pad_token_id, None
+        model = AutoModelForSequenceClassification.from_config(config, dtype=self.spec.torch_dtype)
+        prefix = model.base_model_prefix + "."
+        weights = {k[len(prefix):]: v.cpu() for k, v in merged_weights(self.policy).items() if k.startswith(prefix)}
+        missing, _ = getattr(model, model.base_model_prefix).load_state_dict(weights, strict=False)
+        if missing:
+            raise ValueError(f"cannot export the reward model as {type(model).__name__}: its backbone has weights "
+                             f"the policy lacks, e.g. {missing[0]}; use the adapter + head export instead.")
+        score = getattr(model, "score", None)
+        if not isinstance(score, nn.Linear) or score.weight.shape != head_weight.shape:
+            raise ValueError(f"cannot export the reward model as {type(model).__name__}: it has no one-output "
+                             "'score' head; use the adapter + head export instead.")
+        score.weight.copy_(head_weight.to(score.weight.dtype))
+        return model

@@ -1,0 +1,40 @@
+"""RewardDataModule: preference pairs as whole conversations, for training a reward model.
+
+The rows, sources, column maps and checks are :class:`~lit_grpo.data.preferences.PreferenceDataModule`'s
+(the same files train DPO and the reward model). Each pair becomes two
+conversations ``[system?, user: prompt, assistant: reply]`` rendered by the
+chat template exactly as :class:`~lit_grpo.rewards.RewardModel` renders what
+it scores later (:func:`~lit_grpo.rewards.reward_model.encode_conversations`):
+a batch of B pairs is ``input_ids``/``attention_mask`` ``[2B, T]``,
+right-padded, chosen first. Training batches resume exactly inside an epoch
+(:mod:`lit_grpo.data.batches`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import DataLoader
+
+from lit_grpo.data.batches import ResumableBatches
+from lit_grpo.data.preferences import PreferenceDataModule, column_text
+from lit_grpo.rewards.reward_model import encode_conversations
+
+
+class RewardDataModule(ResumableBatches, PreferenceDataModule):
+    """Preference pairs in, chosen/rejected conversations out (arguments: :class:`PreferenceDataModule`'s;
+    a conversation is at most ``max_prompt_length + max_completion_length`` tokens, keeping its end)."""
+
+    def train_dataloader(self) -> DataLoader:
+        return self.resumable_loader(self.train_rows, self.hparams.batch_size, self.collate)
+
+    def collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        """Tokenize B pairs into 2B conversations, chosen first."""
+        hp = self.hparams
+        tokenizer = self.trainer.lightning_module.tokenizer
+        prompts = [hp.prompt_template.format(prompt=column_text(r["prompt"], "prompt")) for r in rows]
+        replies = [column_text(r["chosen"], "chosen") for r in rows] + [
+            column_text(r["rejected"], "rejected") for r in rows]
+        limit = None if None in (hp.max_prompt_length, hp.max_completion_length) else (
+            hp.max_prompt_length + hp.max_completion_length)
+        input_ids, attention_mask = encode_conversations(tokenizer, prompts * 2, replies, hp.system_prompt, limit)
+        return {"input_ids": input_ids, "attention_mask": attention_mask}  # [2B, T] each

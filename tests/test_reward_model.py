@@ -1,0 +1,189 @@
+"""Reward model: the Bradley-Terry loss, training, the exports, RewardModel separate and on the shared base."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from lit_grpo.algorithms.grpo import GRPOModule
+from lit_grpo.algorithms.reward_model import RewardModelModule
+from lit_grpo.data.preferences import PreferenceDataModule
+from lit_grpo.data.reward_pairs import RewardDataModule
+from lit_grpo.objectives import bradley_terry_loss
+from lit_grpo.policy import LoraSpec, PolicySpec
+from lit_grpo.rewards import Accuracy, RewardCombiner, RewardModel
+from lit_grpo.rewards.reward_model import last_token_index
+
+
+def trainer(**kwargs) -> L.Trainer:
+    options = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False, num_sanity_val_steps=0)
+    return L.Trainer(**{**options, **kwargs})
+
+
+# ------------------------------------------------------------------ the loss
+def test_bradley_terry_against_a_naive_reference():
+    generator = torch.Generator().manual_seed(0)
+    chosen, rejected = torch.randn(7, generator=generator) * 3, torch.randn(7, generator=generator) * 3
+    out = bradley_terry_loss(chosen, rejected)
+    naive = sum(math.log(1 + math.exp(-(c - r))) for c, r in zip(chosen.tolist(), rejected.tolist())) / 7
+    torch.testing.assert_close(out.loss, torch.tensor(naive))
+    wins = sum(c > r for c, r in zip(chosen.tolist(), rejected.tolist())) / 7
+    torch.testing.assert_close(out.metrics["accuracy"], torch.tensor(wins))
+    torch.testing.assert_close(out.metrics["margin"], (chosen - rejected).mean())
+    # equal scores: -log sigmoid(0) = ln 2, no pair won; a huge margin stays finite
+    assert abs(float(bradley_terry_loss(torch.zeros(2), torch.zeros(2)).loss) - math.log(2)) < 1e-6
+    assert torch.isfinite(bradley_terry_loss(torch.tensor([-1e4]), torch.tensor([1e4])).loss)
+
+
+def test_last_token_index_is_transformers_rule():
+    pad = 0
+    ids = torch.tensor([[5, 6, 7, 0, 0], [0, 0, 5, 6, 7], [5, 0, 6, 0, 0]])  # right, left, pad inside
+    assert last_token_index(ids, pad).tolist() == [2, 4, 2]
+    assert last_token_index(ids, None).tolist() == [4, 4, 4]
+
+
+def test_equal_chosen_and_rejected_is_named(tmp_path):
+    rows = [{"prompt": f"q{i}", "chosen": "a", "rejected": "b"} for i in range(3)]
+    rows.append({"prompt": "q", "chosen": "same", "rejected": [{"role": "assistant", "content": "same "}]})
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = PreferenceDataModule(source=str(tmp_path / "pairs.jsonl"), val_size=1)
+    with pytest.raises(ValueError, match="row 3: chosen and rejected are the same reply"):
+        data.setup("fit")
+
+
+# ------------------------------------------------------- training and export
+@pytest.fixture(scope="module")
+def trained_rm(tmp_path_factory, tiny_model_dir):
+    """A LoRA reward model trained a few steps on the tiny model and exported."""
+    L.seed_everything(0)
+    module = RewardModelModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8)),
+                               optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), progress=False)
+    data = RewardDataModule(train_size=8, val_size=8, batch_size=4, val_batch_size=8)
+    trainer(max_epochs=2).fit(module, data)
+    folder = tmp_path_factory.mktemp("rm") / "export"
+    module.export_adapter(folder)
+    return module, data, folder
+
+
+def test_full_fine_tuned_reward_model_learns_the_pairs(tiny_model_dir):
+    # 8 pairs seen 30 times over, validated on the same 8: every pair must end up ranked right.
+    L.seed_everything(0)
+    module = RewardModelModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=None), progress=False,
+                               optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
+    data = RewardDataModule(train_size=8, val_split="train", val_size=8, batch_size=4, val_batch_size=8)
+    fit = trainer(max_epochs=30, check_val_every_n_epoch=100)
+    (before,) = fit.validate(module, data, verbose=False)
+    fit.fit(module, data)
+    (after,) = fit.validate(module, data, verbose=False)
+    assert after["val/accuracy"] == 1.0 and after["val/margin"] > before["val/margin"] + 1.0
+    assert after["val/loss"] < 0.3 < before["val/loss"]
+
+
+def test_export_is_a_sequence_classifier_scoring_as_trained(trained_rm):
+    module, data, folder = trained_rm
+    batch = data.collate(data.val_rows)
+    with torch.no_grad():
+        module.eval()
+        ours = module.scores(batch["input_ids"], batch["attention_mask"])
+        theirs = AutoModelForSequenceClassification.from_pretrained(folder)(**batch).logits[:, 0]
+        separate = RewardModel(str(folder))
+        separate.bind(module)
+        prompts = [r["prompt"] for r in data.val_rows] * 2
+        replies = [r["chosen"] for r in data.val_rows] + [r["rejected"] for r in data.val_rows]
+        scored = torch.tensor(separate(prompts, replies))
+    assert ours.abs().max() > 0 and (ours - ours.mean()).abs().max() > 1e-4  # not a constant
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(scored, ours, rtol=1e-5, atol=1e-5)
+    assert (folder / "adapter" / "adapter_config.json").is_file() and (folder / "adapter" / "reward_head.safetensors").is_file()
+
+
+def test_shared_base_scores_as_a_separate_copy_and_leaves_the_policy_alone(trained_rm, tiny_model_dir):
+    _, data, folder = trained_rm
+    module = GRPOModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8)))
+    module.configure_model()
+    with torch.no_grad():
+        for name, p in module.policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_()  # an actor adapter that is not a no-op
+    module.policy.train()  # as during a rollout inside fit
+    before = {k: v.clone() for k, v in module.policy.state_dict().items()}
+    flags = {n: p.requires_grad for n, p in module.policy.named_parameters()}
+    shared, separate = RewardModel(str(folder), shared_base=True), RewardModel(str(folder))
+    shared.bind(module)
+    separate.bind(module)
+    prompts = [r["prompt"] for r in data.val_rows]
+    replies = [r["chosen"] for r in data.val_rows]
+    torch.testing.assert_close(torch.tensor(shared(prompts, replies)), torch.tensor(separate(prompts, replies)),
+                               rtol=1e-5, atol=1e-5)
+    after = module.policy.state_dict()
+    assert all(torch.equal(v, after[k]) for k, v in before.items())  # base and actor adapter untouched
+    assert {n: p.requires_grad for n, p in module.policy.named_parameters() if n in flags} == flags
+    assert module.policy.active_adapter == "default" and module.policy.training
+    assert not any(p.requires_grad for n, p in module.policy.named_parameters() if ".reward." in n)
+    # checkpoints hold the actor adapter only: the frozen reward adapter is reloaded from its folder
+    assert set(module.state_dict()) == {f"policy.{k}" for k in before if "lora_" in k and ".default." in k}
+
+
+def test_reward_model_beside_a_rule_reward_with_weights(trained_rm):
+    module, data, folder = trained_rm
+    rm = RewardModel(str(folder), weight=0.5, normalize=True)
+    combiner = RewardCombiner([rm, Accuracy(weight=2.0)])
+    combiner.bind(module)
+    rows = data.val_rows[:4]
+    scores = combiner.score([r["prompt"] for r in rows], [r["chosen"] for r in rows],
+                            {"answer": [r["answer"] for r in rows]})
+    normalised = scores.per_function["reward_model"]
+    torch.testing.assert_close(normalised.mean(), torch.tensor(0.0), atol=1e-5, rtol=0)
+    torch.testing.assert_close(scores.total, 0.5 * normalised + 2.0 * scores.per_function["accuracy"])
+
+
+# --------------------------------------------------------------- bad input
+def test_folder_that_is_not_a_sequence_classifier(tiny_model_dir):
+    with pytest.raises(ValueError, match="is a \\['LlamaForCausalLM'\\], not a sequence-classification model"):
+        RewardModel(tiny_model_dir)
+
+
+def test_head_with_more_than_one_output(tmp_path, trained_rm):
+    model = AutoModelForSequenceClassification.from_pretrained(trained_rm[2], num_labels=2,
+                                                               ignore_mismatched_sizes=True)
+    model.save_pretrained(tmp_path / "two")
+    with pytest.raises(ValueError, match="head with 2 outputs"):
+        RewardModel(str(tmp_path / "two"))
+
+
+def test_tokenizer_without_chat_template(tmp_path, trained_rm):
+    folder = tmp_path / "no_template"
+    shutil.copytree(trained_rm[2], folder)
+    (folder / "chat_template.jinja").unlink()
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="has no chat template"):
+        RewardModel(str(folder))
+
+
+def test_shared_base_needs_the_policy_vocabulary_and_base(tmp_path, trained_rm, tiny_model_dir):
+    folder = tmp_path / "other_vocab"
+    shutil.copytree(trained_rm[2], folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder / "adapter")
+    tokenizer.add_tokens(["<extra-token>"])
+    tokenizer.save_pretrained(folder / "adapter")
+    module = GRPOModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8)))
+    module.configure_model()
+    with pytest.raises(ValueError, match="another vocabulary"):
+        RewardModel(str(folder), shared_base=True).bind(module)
+    other_base = GRPOModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8),
+                                              init_adapter=str(trained_rm[2] / "adapter")))
+    other_base.configure_model()
+    with pytest.raises(ValueError, match="was trained on policy.init_adapter=None"):
+        RewardModel(str(trained_rm[2]), shared_base=True).bind(other_base)
+    with pytest.raises(FileNotFoundError, match="shared_base=true has no adapter_config.json"):
+        RewardModel(tiny_model_dir, shared_base=True)
