@@ -17,10 +17,6 @@ block parses against the current CLI. How a block becomes commands:
    command runs in-process with ``--print_config`` appended, which builds the
    whole parser and validates every value without loading a model or data (a
    ``--help`` in the line prints the help instead; both exit 0).
-
-Pages and commands that other branches add are listed in ``PENDING``: a link
-to such a page or a command of such a subcommand is skipped (not passed)
-until it exists. Remove the entries once they have landed.
 """
 
 from __future__ import annotations
@@ -37,10 +33,6 @@ from lit_grpo.cli import COMMANDS, main
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-PENDING = {
-    "pages": ["docs/agents.md", "docs/pipeline.md", "docs/determinism.md"],
-    "commands": ["sft", "rm"],
-}
 
 FENCE = re.compile(r"^```([\w+-]*)[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 SHELL = {"", "bash", "sh", "shell", "console"}
@@ -108,16 +100,8 @@ def test_links_resolve(page):
         path = (page.parent / target.split("#")[0]).resolve()
         if path.exists():
             continue
-        name = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
-        if name not in PENDING["pages"]:
-            missing.append(target)
+        missing.append(target)
     assert not missing, f"{page.name} links to files that do not exist: {missing}"
-
-
-def test_pending_pages_have_landed():
-    absent = [name for name in PENDING["pages"] if not (ROOT / name).exists()]
-    if absent:
-        pytest.skip(f"written on other branches, not here yet: {absent}")
 
 
 @pytest.mark.parametrize(("page", "words"), documented_commands(),
@@ -126,8 +110,6 @@ def test_command_parses(page, words, tmp_path, monkeypatch, capsys):
     if is_synopsis(words):
         pytest.skip("a usage synopsis (rule 3)")
     if words[0] not in COMMANDS and not words[0].startswith("-"):
-        if words[0] in PENDING["commands"]:
-            pytest.skip(f"lit-grpo {words[0]} lands from another branch")
         pytest.fail(f"{page}: 'lit-grpo {' '.join(words)}': the CLI has no command {words[0]!r}")
     if words[0] == "plot":
         monkeypatch.chdir(tmp_path)

@@ -26,6 +26,7 @@ import copy
 import dataclasses
 import json
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -98,29 +99,33 @@ class RewardModelModule(SupervisedModule):
         return batch["input_ids"].shape[0] // 2  # pairs
 
     # ----------------------------------------------------------------- export
-    def export_adapter(self, path: str | Path) -> Path:
-        """Write ``path`` as a sequence-classification model and, with LoRA, ``path/adapter`` as
-        adapter + head (see the module docstring). Call it on every rank: FSDP2-sharded
-        weights are gathered first (a collective); rank 0 writes."""
-        path = Path(path)
+    def export_writer(self) -> Callable[[Path], None]:
+        """Write the folder as a sequence-classification model and, with LoRA, ``adapter/`` in it as
+        adapter + head (see the module docstring); :meth:`export_adapter` writes it atomically.
+        FSDP2-sharded weights are gathered on every rank."""
         head = full_tensors(self.reward_head.state_dict().items())
-        if self.spec.lora is not None:
-            folder = super().export_adapter(path / ADAPTER_DIR)
-            if self.global_rank == 0:
-                save_file({k: v.contiguous() for k, v in head.items()}, folder / HEAD_FILE)
-                base = {"name_or_path": self.spec.name_or_path, "init_adapter": self.spec.init_adapter,
-                        "policy": dataclasses.asdict(self.spec)}
-                (folder / BASE_FILE).write_text(json.dumps(base, indent=2))
-        if self.device_mesh is not None or self.spec.load_in_4bit:
+        write_adapter = super().export_writer() if self.spec.lora is not None else None
+        whole = self.device_mesh is None and not self.spec.load_in_4bit
+        if not whole:
             warnings.warn(f"the sequence-classification export needs the whole model unquantized in one process "
                           f"(this one is {'sharded' if self.device_mesh is not None else '4-bit'}), so only "
-                          f"{path / ADAPTER_DIR} was written: adapter + head, which "
-                          "RewardModel(shared_base=true) loads.", stacklevel=2)
-            return path
-        if self.global_rank == 0:
-            self.classifier(head["weight"]).save_pretrained(path)
-            self.tokenizer.save_pretrained(path)
-        return path
+                          f"{ADAPTER_DIR}/ is written: adapter + head, which RewardModel(shared_base=true) loads.",
+                          stacklevel=2)
+
+        def write(folder: Path) -> None:
+            if write_adapter is not None:
+                adapter = folder / ADAPTER_DIR
+                adapter.mkdir()
+                write_adapter(adapter)
+                save_file({k: v.contiguous() for k, v in head.items()}, adapter / HEAD_FILE)
+                base = {"name_or_path": self.spec.name_or_path, "init_adapter": self.spec.init_adapter,
+                        "policy": dataclasses.asdict(self.spec)}
+                (adapter / BASE_FILE).write_text(json.dumps(base, indent=2))
+            if whole:
+                self.classifier(head["weight"]).save_pretrained(folder)
+                self.tokenizer.save_pretrained(folder)
+
+        return write
 
     @torch.no_grad()
     def classifier(self, head_weight: torch.Tensor) -> nn.Module:
