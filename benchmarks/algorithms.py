@@ -281,7 +281,7 @@ def _model_path(args: argparse.Namespace) -> str:
     """``tiny``: a random tiny Llama saved under ``OUT`` (smoke tests); anything else is a ``name_or_path``."""
     if args.model != "tiny":
         return args.model
-    from lit_grpo.random_models import save_random_model
+    from lit_grpo.model.random_models import save_random_model
 
     return str(save_random_model("tiny", Path(args.out) / "tiny-model", dtype=torch.float32))
 

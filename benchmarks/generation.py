@@ -38,7 +38,7 @@ from lit_grpo.data.prompts import chat_prompts
 from lit_grpo.data.word_problems import word_problems
 from lit_grpo.generation import GenerationSpec
 from lit_grpo.generation.rollout import SamplingSpec, encode_prompts, eos_ids
-from lit_grpo.policy import LoraSpec, PolicySpec
+from lit_grpo.model.policy import LoraSpec, PolicySpec
 from lit_grpo.rewards import Accuracy
 
 SYSTEM = "Think step by step, then give the final number after ####."

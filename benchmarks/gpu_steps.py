@@ -6,7 +6,7 @@
 
 No weights can be downloaded where this runs, so every model is built from the
 configuration of a real one (SmolLM2-135M and Qwen2.5-1.5B with LoRA and with
-QLoRA, Qwen2.5-7B with QLoRA) with random weights (:mod:`lit_grpo.random_models`),
+QLoRA, Qwen2.5-7B with QLoRA) with random weights (:mod:`lit_grpo.model.random_models`),
 saved to a temporary folder and loaded from there like any other model.
 Completions run to the full length (``SamplingSpec(ignore_eos=True)``): the
 speed and the memory are real, the learning is not.
@@ -67,8 +67,8 @@ def run_job(shape: str, adapter: str, models: Path, dry_run: bool) -> None:
     import torch
 
     from lit_grpo.algorithms.grpo import GRPOModule
-    from lit_grpo.policy import LoraSpec, PolicySpec
-    from lit_grpo.random_models import parameter_count, save_random_model
+    from lit_grpo.model.policy import LoraSpec, PolicySpec
+    from lit_grpo.model.random_models import parameter_count, save_random_model
 
     gpu = torch.cuda.is_available()
     folder = save_random_model(shape, models / shape, device="cuda" if gpu else "cpu")

@@ -44,7 +44,7 @@ peak RSS, model loading included, on CPU; allocated CUDA memory on a GPU),
 and completions that are not exactly the given length fail the row. A smoke
 run on a tiny random model::
 
-    python -c "import torch; from lit_grpo.random_models import save_random_model; \\
+    python -c "import torch; from lit_grpo.model.random_models import save_random_model; \\
         save_random_model('tiny', '/tmp/tiny-llama', torch.float32)"
     python benchmarks/memory.py --lengths 16 --steps 1 --model /tmp/tiny-llama
 """
@@ -112,7 +112,7 @@ def run_one(name: str, checkpointing: bool) -> dict:
     from lit_grpo.algorithms.grpo import GRPOModule
     from lit_grpo.data.grpo import OnPolicyDataModule
     from lit_grpo.generation.rollout import SamplingSpec
-    from lit_grpo.policy import LoraSpec, PolicySpec
+    from lit_grpo.model.policy import LoraSpec, PolicySpec
     from lit_grpo.rewards import Accuracy
 
     config = CONFIGS[name]
@@ -172,8 +172,8 @@ def run_length_lit(model: str, length: int, checkpointing: bool, steps: int, rel
 
     from lit_grpo.algorithms.grpo import GRPOModule
     from lit_grpo.data.grpo import OnPolicyDataModule
-    from lit_grpo.host_memory import ReleaseHostMemory
-    from lit_grpo.policy import LoraSpec, PolicySpec
+    from lit_grpo.training.host_memory import ReleaseHostMemory
+    from lit_grpo.model.policy import LoraSpec, PolicySpec
 
     seconds: list[float] = []
 
@@ -212,7 +212,7 @@ def run_length_trl(model: str, length: int, steps: int) -> list[float]:
     from trl import GRPOConfig, GRPOTrainer
 
     from lit_grpo.data.prompts import chat_prompts
-    from lit_grpo.policy import embedded_model_dir
+    from lit_grpo.model.policy import embedded_model_dir
     from lit_grpo.rewards import accuracy
 
     path = str(embedded_model_dir()) if model == "embedded" else model

@@ -43,7 +43,7 @@ def run_one(name: str, rm: str) -> dict:
     from lit_grpo.algorithms.grpo import GRPOModule
     from lit_grpo.data.grpo import OnPolicyDataModule
     from lit_grpo.generation.rollout import SamplingSpec
-    from lit_grpo.policy import LoraSpec, PolicySpec
+    from lit_grpo.model.policy import LoraSpec, PolicySpec
     from lit_grpo.rewards import Accuracy, RewardModel
     from lit_grpo.rewards.reward_model import ADAPTER_DIR, BASE_FILE
 

@@ -7,11 +7,13 @@ are imported on first use, so that ``import lit_grpo.objectives`` (the pure
 torch math) and ``import lit_grpo.rewards`` never pull Lightning or
 transformers.
 
-The folders are the architecture; arrows point down only:
-``algorithms`` (the LightningModules) -> ``data`` (the DataModules, rollout
-rounds, sources) -> ``generation`` (sampling engines), ``rewards``,
-``objectives`` (pure math), with the shared pieces (``policy``,
-``logprob_passes``, ``distributed``, ``checkpointing``, ...) at the top level.
+The folders are the architecture; arrows point down only: ``cli`` (the command)
+-> ``evaluation`` (the eval command, plots) -> ``algorithms`` (the
+LightningModules) -> ``data`` (the DataModules, rollout rounds, sources) ->
+``generation`` (sampling engines) -> ``environments`` (tools and multi-turn
+environments) -> ``rewards`` (rewards and the sandbox) -> ``training``
+(checkpoints, multi-process runs, strategies, guards) -> ``model`` (loading the
+policy, log-prob passes) -> ``objectives`` (pure math).
 """
 
 from __future__ import annotations
@@ -34,13 +36,13 @@ _EXPORTS = {
     "RewardModelModule": "lit_grpo.algorithms.reward_model",
     "RewardDataModule": "lit_grpo.data.reward_pairs",
     "PolicyModule": "lit_grpo.algorithms.base",
-    "PolicySpec": "lit_grpo.policy",
-    "LoraSpec": "lit_grpo.policy",
+    "PolicySpec": "lit_grpo.model.policy",
+    "LoraSpec": "lit_grpo.model.policy",
     "SamplingSpec": "lit_grpo.generation.rollout",
     "GenerationSpec": "lit_grpo.generation",
-    "AtomicCheckpointIO": "lit_grpo.checkpointing",
-    "PlotCallback": "lit_grpo.plots",
-    "BeforeAfterAnswers": "lit_grpo.answers",
+    "AtomicCheckpointIO": "lit_grpo.training.checkpointing",
+    "PlotCallback": "lit_grpo.evaluation.plots",
+    "BeforeAfterAnswers": "lit_grpo.algorithms.answers",
 }
 __all__ = sorted(_EXPORTS)
 
@@ -62,7 +64,24 @@ _MOVED = {
     "lit_grpo.rollout": "lit_grpo.generation.rollout",
     "lit_grpo.decode_step": "lit_grpo.generation.decode_step",
     "lit_grpo.merged": "lit_grpo.generation.merged",
-    "lit_grpo.kv_cache": "lit_grpo.generation.kv_cache",
+    "lit_grpo.kv_cache": "lit_grpo.model.kv_cache",
+    # The modules that moved into model/, training/, evaluation/ and algorithms/ (issue 30).
+    "lit_grpo.policy": "lit_grpo.model.policy",
+    "lit_grpo.attention": "lit_grpo.model.attention",
+    "lit_grpo.logprob_passes": "lit_grpo.model.logprob_passes",
+    "lit_grpo.random_models": "lit_grpo.model.random_models",
+    "lit_grpo.adapters": "lit_grpo.model.adapters",
+    "lit_grpo.refusals": "lit_grpo.model.refusals",
+    "lit_grpo.generation.kv_cache": "lit_grpo.model.kv_cache",
+    "lit_grpo.checkpointing": "lit_grpo.training.checkpointing",
+    "lit_grpo.distributed": "lit_grpo.training.distributed",
+    "lit_grpo.multiprocess": "lit_grpo.training.multiprocess",
+    "lit_grpo.strategies": "lit_grpo.training.strategies",
+    "lit_grpo.training_guard": "lit_grpo.training.guard",
+    "lit_grpo.host_memory": "lit_grpo.training.host_memory",
+    "lit_grpo.evaluate": "lit_grpo.evaluation.evaluate",
+    "lit_grpo.plots": "lit_grpo.evaluation.plots",
+    "lit_grpo.answers": "lit_grpo.algorithms.answers",
 }
 
 

@@ -37,10 +37,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 import lit_grpo
 from lit_grpo.algorithms.grpo import GRPOModule
-from lit_grpo.checkpointing import AtomicCheckpointIO, check_lightning_checkpoint, check_policy
+from lit_grpo.training.checkpointing import AtomicCheckpointIO, check_lightning_checkpoint, check_policy
 from lit_grpo.data.grpo import OnPolicyDataModule
 from lit_grpo.data.sources import check_utf8
-from lit_grpo.multiprocess import (
+from lit_grpo.training.multiprocess import (
     end_child_processes, exit_on_signal, is_collective_failure, print_failure, set_collective_timeout,
 )
 
@@ -118,7 +118,7 @@ class PolicyCli(LightningCLI):
         """The Trainer, crash-safe by default: atomic checkpoint files and a ``last.ckpt``.
 
         Added only where the config names none of its own: an
-        :class:`~lit_grpo.checkpointing.AtomicCheckpointIO` plugin, and a
+        :class:`~lit_grpo.training.checkpointing.AtomicCheckpointIO` plugin, and a
         ``ModelCheckpoint(save_last=True)`` in ``<default_root_dir>/checkpoints``
         (not under the logger's per-run version folder, which a resumed run does
         not share), so ``--ckpt_path last`` finds the killed run's checkpoint.
@@ -309,7 +309,7 @@ def main(args: list[str] | None = None) -> None:
         print(HELP)
         return
     if argv[:1] == ["plot"]:
-        from lit_grpo.plots import main as plot_main
+        from lit_grpo.evaluation.plots import main as plot_main
 
         plot_main(argv[1:])
         return
@@ -333,7 +333,7 @@ def main(args: list[str] | None = None) -> None:
 
 def _run(argv: list[str]) -> None:
     if argv[0] == "eval":
-        from lit_grpo.evaluate import main as eval_main
+        from lit_grpo.evaluation.evaluate import main as eval_main
 
         eval_main(argv[1:])
         return

@@ -17,7 +17,7 @@ import peft.peft_model
 import torch
 from safetensors.torch import save as safetensors_bytes
 
-import lit_grpo.checkpointing
+import lit_grpo.training.checkpointing
 import lit_grpo.generation.rollout
 
 
@@ -85,7 +85,7 @@ class Chaos(L.Callback):
                     write_half_then_die(lambda buffer: save(obj, buffer, *args, **kwargs), f)
                 save(obj, f, *args, **kwargs)
 
-            lit_grpo.checkpointing.torch.save = half_save  # the torch.save of atomic_torch_save
+            lit_grpo.training.checkpointing.torch.save = half_save  # the torch.save of atomic_torch_save
         elif self.phase == "export":
             def half_save_file(tensors, filename, metadata=None):
                 with open(filename, "wb") as f:

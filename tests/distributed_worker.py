@@ -26,7 +26,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.data.grpo import OnPolicyDataModule
 from lit_grpo.generation.rollout import SamplingSpec
-from lit_grpo.policy import PolicySpec
+from lit_grpo.model.policy import PolicySpec
 
 
 def text_length(prompts: list[str], completions: list, **columns) -> list[float]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from lit_grpo.distributed import full_tensors
+from lit_grpo.training.distributed import full_tensors
 
 
 class SaveRankState(L.Callback):

@@ -21,14 +21,14 @@ import lightning as L
 import pytest
 import torch
 
-from lit_grpo import checkpointing
+from lit_grpo.training import checkpointing
 from lit_grpo.algorithms.grpo import GRPOModule
-from lit_grpo.checkpointing import AtomicCheckpointIO, atomic_torch_save, check_checkpoint
+from lit_grpo.training.checkpointing import AtomicCheckpointIO, atomic_torch_save, check_checkpoint
 from lit_grpo.data.grpo import OnPolicyDataModule
 from lit_grpo.data.sources import load_rows
 from lit_grpo.generation import GenerationSpec
 from lit_grpo.generation.rollout import SamplingSpec
-from lit_grpo.policy import LoraSpec, PolicySpec, load_tokenizer
+from lit_grpo.model.policy import LoraSpec, PolicySpec, load_tokenizer
 from lit_grpo.rewards import Accuracy, RewardCombiner, RewardFunctionError
 
 

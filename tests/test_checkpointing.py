@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from lit_grpo.checkpointing import AtomicCheckpointIO
+from lit_grpo.training.checkpointing import AtomicCheckpointIO
 
 # Saves checkpoint "A", then saves "B" but stops once B's bytes are in the
 # temporary file (at its fsync, before the rename) until the parent kills it.
@@ -20,7 +20,7 @@ _WRITER = textwrap.dedent(
     """
     import os, pathlib, sys, time
     import torch
-    from lit_grpo.checkpointing import AtomicCheckpointIO
+    from lit_grpo.training.checkpointing import AtomicCheckpointIO
 
     target, marker = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
 
@@ -88,7 +88,7 @@ def test_cli_trainer_is_crash_safe_by_default(tmp_path, tiny_model_dir):
 
 
 def test_atomic_folder_replaces_the_previous_export_or_keeps_it(tmp_path):
-    from lit_grpo.checkpointing import atomic_folder
+    from lit_grpo.training.checkpointing import atomic_folder
 
     target = tmp_path / "adapter"
     with atomic_folder(target) as folder:

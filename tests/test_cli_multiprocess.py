@@ -119,7 +119,7 @@ def test_fsdp2_cli_run_with_the_shipped_config(tiny_model_dir, tmp_path):
     code, output = finish(start([
         "--config", "configs/fsdp.yaml", "--trainer.precision", "32-true",
         "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(tmp_path),
-        "--trainer.callbacks+=lit_grpo.plots.PlotCallback",
+        "--trainer.callbacks+=lit_grpo.evaluation.plots.PlotCallback",
         "--data.source", "arithmetic", "--data.val_split", "null", "--data.columns", "null",
         "--data.prompt_template", "{prompt}", "--model.policy.gradient_checkpointing", "false",
         "--model.policy.lora.r", "16", *cli_args(tiny_model_dir, tmp_path),

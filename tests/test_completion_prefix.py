@@ -10,10 +10,10 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from lit_grpo.algorithms.grpo import GRPOModule
-from lit_grpo.answers import answer_rows
+from lit_grpo.algorithms.answers import answer_rows
 from lit_grpo.data.grpo import OnPolicyDataModule
 from lit_grpo.generation.rollout import SamplingSpec
-from lit_grpo.policy import PolicySpec
+from lit_grpo.model.policy import PolicySpec
 
 PREFIX = "<think>"
 

@@ -9,7 +9,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralCon
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from lit_grpo.generation.decode_step import LlamaStep, Matmul, ModelStep, can_pack, llama_step_applies
-from lit_grpo.generation.kv_cache import with_cache
+from lit_grpo.model.kv_cache import with_cache
 from lit_grpo.generation.merged import MergedPolicy
 
 SIZES = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

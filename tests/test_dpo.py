@@ -15,7 +15,7 @@ from lit_grpo.algorithms.dpo import DPOModule
 from lit_grpo.data.preferences import PreferenceDataModule, encode_completions
 from lit_grpo.data.tasks import arithmetic, arithmetic_preferences
 from lit_grpo.objectives import dpo_loss, sequence_logps
-from lit_grpo.policy import LoraSpec, PolicySpec
+from lit_grpo.model.policy import LoraSpec, PolicySpec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LN3 = math.log(3.0)

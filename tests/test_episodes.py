@@ -17,7 +17,7 @@ from lit_grpo.data.buffer import _trim
 from lit_grpo.environments import ToolCall, ToolResult, Toolbox
 from lit_grpo.generation.episodes import EpisodeSpec
 from lit_grpo.generation.rollout import SamplingSpec, encode_prompts, generate
-from lit_grpo.logprob_passes import completion_logprobs
+from lit_grpo.model.logprob_passes import completion_logprobs
 from lit_grpo.objectives import grpo_loss
 
 

@@ -20,7 +20,7 @@ from lit_grpo.algorithms.ppo import PPOModule
 from lit_grpo.data.grpo import OnPolicyDataModule
 from lit_grpo.environments import ToolCall
 from lit_grpo.generation.rollout import SamplingSpec
-from lit_grpo.policy import PolicySpec
+from lit_grpo.model.policy import PolicySpec
 
 CALCULATOR = "lit_grpo.environments.builtin.calculator"
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lit_grpo.algorithms.grpo import GRPOModule
-from lit_grpo.evaluate import main, pass_at_k
-from lit_grpo.policy import LoraSpec, PolicySpec
+from lit_grpo.evaluation.evaluate import main, pass_at_k
+from lit_grpo.model.policy import LoraSpec, PolicySpec
 
 
 def test_pass_at_k_by_hand():

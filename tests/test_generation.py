@@ -16,7 +16,7 @@ from lit_grpo.data.prompts import chat_prompts
 from lit_grpo.generation import GenerationSpec
 from lit_grpo.generation.native import NativeEngine
 from lit_grpo.generation.rollout import SamplingSpec, encode_prompts
-from lit_grpo.logprob_passes import completion_logprobs
+from lit_grpo.model.logprob_passes import completion_logprobs
 from lit_grpo.objectives import grpo_loss
 from lit_grpo.objectives.grpo import sampler_gap
 from test_module import make, trainer
@@ -108,7 +108,7 @@ def test_vllm_backend_without_vllm_names_the_extra():
 
 def test_vllm_backend_refuses_4bit_policy_at_construction(tiny_model_dir):
     from lit_grpo.generation.vllm import check_policy
-    from lit_grpo.policy import LoraSpec, PolicySpec
+    from lit_grpo.model.policy import LoraSpec, PolicySpec
 
     with pytest.raises(ValueError, match=r"backend='vllm' with model.policy.load_in_4bit=true is not supported"):
         check_policy(PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(), load_in_4bit=True))

@@ -3,7 +3,7 @@
 Marked ``gpu``: skipped without CUDA (``tests/conftest.py``), run by
 ``scripts/gpu_check.sh`` on a GPU. That machine has no model hub and no
 embedded SmolLM2 (its package is too big to carry), so the tiny model here
-uses the byte-level tokenizer of :mod:`lit_grpo.random_models` instead of
+uses the byte-level tokenizer of :mod:`lit_grpo.model.random_models` instead of
 ``tiny_model_dir``. The tests that set up a process group (FSDP1, FSDP2) come
 last: the group outlives them. Lightning is imported inside the tests, so
 collecting them where they skip costs nothing (the dry run of the check
@@ -17,8 +17,8 @@ import torch
 
 from lit_grpo.generation.decode_step import llama_step_applies
 from lit_grpo.generation.rollout import SamplingSpec, encode_prompts, generate
-from lit_grpo.policy import LoraSpec, PolicySpec, load_tokenizer
-from lit_grpo.random_models import save_random_model
+from lit_grpo.model.policy import LoraSpec, PolicySpec, load_tokenizer
+from lit_grpo.model.random_models import save_random_model
 
 pytestmark = pytest.mark.gpu
 

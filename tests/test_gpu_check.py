@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lit_grpo.random_models import SHAPES, byte_tokenizer, parameter_count
+from lit_grpo.model.random_models import SHAPES, byte_tokenizer, parameter_count
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -19,11 +19,11 @@ pytestmark = pytest.mark.skipif(
 # freed: what stays is glibc keeping the pages of its fragmented heaps.
 PATTERN = """
 import sys, torch
-from lit_grpo.host_memory import return_freed_memory
+from lit_grpo.training.host_memory import return_freed_memory
 if sys.argv[1] == "fixed":
     assert return_freed_memory()
 from transformers import LlamaConfig, LlamaForCausalLM
-from lit_grpo.logprob_passes import completion_logprobs
+from lit_grpo.model.logprob_passes import completion_logprobs
 torch.manual_seed(0)
 model = LlamaForCausalLM(LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048))
@@ -56,7 +56,7 @@ def test_freed_tensors_leave_the_process_with_the_threshold_fixed():
 
 
 def test_a_threshold_the_user_set_is_left_alone(monkeypatch):
-    from lit_grpo import host_memory
+    from lit_grpo.training import host_memory
 
     host_memory.return_freed_memory.cache_clear()
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
@@ -69,7 +69,7 @@ def test_a_threshold_the_user_set_is_left_alone(monkeypatch):
 # In a child process: the setting is process-wide, and the rest of the suite runs without it.
 FIT = """
 import lightning as L, torch
-from lit_grpo.host_memory import ReleaseHostMemory
+from lit_grpo.training.host_memory import ReleaseHostMemory
 class Tiny(L.LightningModule):
     def __init__(self):
         super().__init__()

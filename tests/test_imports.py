@@ -46,7 +46,7 @@ MOVED = {
     "lit_grpo.buffer": "lit_grpo.data.buffer", "lit_grpo.sources": "lit_grpo.data.sources",
     "lit_grpo.tasks": "lit_grpo.data.tasks", "lit_grpo.word_problems": "lit_grpo.data.word_problems",
     "lit_grpo.rollout": "lit_grpo.generation.rollout", "lit_grpo.decode_step": "lit_grpo.generation.decode_step",
-    "lit_grpo.merged": "lit_grpo.generation.merged", "lit_grpo.kv_cache": "lit_grpo.generation.kv_cache",
+    "lit_grpo.merged": "lit_grpo.generation.merged", "lit_grpo.kv_cache": "lit_grpo.model.kv_cache",
 }
 
 

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.data.grpo import OnPolicyDataModule
 from lit_grpo.generation.rollout import SamplingSpec
-from lit_grpo.policy import PolicySpec
+from lit_grpo.model.policy import PolicySpec
 from lit_grpo.rewards import OverlongPenalty
 
 MAX_NEW_TOKENS = 6

@@ -16,9 +16,9 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lit_grpo import logprob_passes
+from lit_grpo.model import logprob_passes
 from lit_grpo.generation.rollout import encode_prompts
-from lit_grpo.logprob_passes import _full_logits, completion_logprobs
+from lit_grpo.model.logprob_passes import _full_logits, completion_logprobs
 from lit_grpo.objectives import token_logprobs
 
 G = 4

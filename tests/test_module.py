@@ -12,8 +12,8 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lit_grpo.data.grpo import OnPolicyDataModule
 from lit_grpo.algorithms.grpo import GRPOModule
-from lit_grpo.logprob_passes import completion_logprobs
-from lit_grpo.policy import PolicySpec
+from lit_grpo.model.logprob_passes import completion_logprobs
+from lit_grpo.model.policy import PolicySpec
 from lit_grpo.generation.rollout import SamplingSpec
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
-from lit_grpo.distributed import reduce_across_ranks
-from lit_grpo.multiprocess import (
+from lit_grpo.training.distributed import reduce_across_ranks
+from lit_grpo.training.multiprocess import (
     CPU_TIMEOUT_S, describe_collective_failure, is_collective_failure, set_collective_timeout,
 )
 

@@ -16,12 +16,12 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_grpo.algorithms.grpo import GRPOModule
-from lit_grpo.checkpointing import AtomicCheckpointIO
+from lit_grpo.training.checkpointing import AtomicCheckpointIO
 from lit_grpo.data.grpo import OnPolicyDataModule
 from lit_grpo.generation.rollout import SamplingSpec
-from lit_grpo.policy import PolicySpec
+from lit_grpo.model.policy import PolicySpec
 from lit_grpo.rewards import Accuracy
-from lit_grpo.training_guard import NonFiniteStepsError
+from lit_grpo.training.guard import NonFiniteStepsError
 
 
 class PoisonedGRPO(GRPOModule):

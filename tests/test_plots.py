@@ -11,12 +11,12 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from lit_grpo.algorithms.grpo import GRPOModule
-from lit_grpo.answers import BeforeAfterAnswers
+from lit_grpo.algorithms.answers import BeforeAfterAnswers
 from lit_grpo.cli import main
 from lit_grpo.data.grpo import OnPolicyDataModule
 from lit_grpo.generation.rollout import SamplingSpec
-from lit_grpo.plots import BEFORE_TRAINING, PlotCallback, find_metrics, read_metrics
-from lit_grpo.policy import PolicySpec
+from lit_grpo.evaluation.plots import BEFORE_TRAINING, PlotCallback, find_metrics, read_metrics
+from lit_grpo.model.policy import PolicySpec
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -133,7 +133,7 @@ def test_before_after_answers_from_the_same_fit(tiny_run):
 
 
 def test_reward_panel_draws_raw_values_faintly_under_their_moving_average():
-    from lit_grpo.plots import PANELS, moving_average, plot_panels
+    from lit_grpo.evaluation.plots import PANELS, moving_average, plot_panels
 
     # Trailing 5-epoch mean: epoch 5 averages epochs 1-5 = (1+0+1+0+1)/5.
     assert moving_average([0, 1, 0, 1, 0, 1], 5) == [0, 0.5, 1 / 3, 0.5, 0.4, 0.6]

@@ -14,9 +14,9 @@ from lit_grpo.algorithms.grpo import SCORED_KEYS, GRPOModule
 from lit_grpo.algorithms.ppo import PPOModule
 from lit_grpo.data.grpo import OnPolicyDataModule
 from lit_grpo.generation.rollout import SamplingSpec
-from lit_grpo.logprob_passes import completion_hidden_states
+from lit_grpo.model.logprob_passes import completion_hidden_states
 from lit_grpo.objectives import gae_advantages, ppo_token_rewards, whiten
-from lit_grpo.policy import LoraSpec, PolicySpec
+from lit_grpo.model.policy import LoraSpec, PolicySpec
 
 
 def constant_reward(prompts, completions, **columns):

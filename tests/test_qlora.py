@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lit_grpo.objectives import grpo_loss
-from lit_grpo.logprob_passes import completion_logprobs
-from lit_grpo.policy import LoraSpec, PolicySpec, build_policy, load_base_model
+from lit_grpo.model.logprob_passes import completion_logprobs
+from lit_grpo.model.policy import LoraSpec, PolicySpec, build_policy, load_base_model
 
 
 def _bitsandbytes_4bit_works() -> bool:

@@ -13,7 +13,7 @@ from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.data.grpo import OnPolicyDataModule
 from lit_grpo.generation.rollout import SamplingSpec
 from lit_grpo.objectives import grpo_loss, reinforce_pp_advantages
-from lit_grpo.policy import PolicySpec
+from lit_grpo.model.policy import PolicySpec
 
 
 # ------------------------------------------------------------------ grpo_loss on [N, T] advantages

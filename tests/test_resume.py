@@ -105,7 +105,7 @@ def _dataset_run(kind: str, model_dir: str, root: Path, ckpt_path: Path | None =
     from lit_grpo.algorithms.sft import SFTModule
     from lit_grpo.data.reward_pairs import RewardDataModule
     from lit_grpo.data.sft import SFTDataModule
-    from lit_grpo.policy import LoraSpec, PolicySpec
+    from lit_grpo.model.policy import LoraSpec, PolicySpec
 
     module_class, data_class = {"sft": (SFTModule, SFTDataModule), "rm": (RewardModelModule, RewardDataModule)}[kind]
     policy = PolicySpec(name_or_path=model_dir, lora=LoraSpec(r=4, alpha=8, dropout=0.1))  # dropout draws the RNG

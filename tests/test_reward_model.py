@@ -17,7 +17,7 @@ from lit_grpo.algorithms.reward_model import RewardModelModule
 from lit_grpo.data.preferences import PreferenceDataModule
 from lit_grpo.data.reward_pairs import RewardDataModule
 from lit_grpo.objectives import bradley_terry_loss
-from lit_grpo.policy import LoraSpec, PolicySpec
+from lit_grpo.model.policy import LoraSpec, PolicySpec
 from lit_grpo.rewards import Accuracy, RewardCombiner, RewardModel
 from lit_grpo.rewards.reward_model import last_token_index
 

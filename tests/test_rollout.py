@@ -9,10 +9,10 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from lit_grpo.generation.kv_cache import with_cache
+from lit_grpo.model.kv_cache import with_cache
 from lit_grpo.generation.merged import MergedPolicy, can_merge
 from lit_grpo.objectives import token_entropy, token_logprobs
-from lit_grpo.logprob_passes import _full_logits, _fusable_head, completion_logprobs, length_buckets
+from lit_grpo.model.logprob_passes import _full_logits, _fusable_head, completion_logprobs, length_buckets
 from lit_grpo.generation.rollout import SAMPLE_BLOCK, SamplingSpec, encode_prompts, generate, sample
 
 
@@ -186,7 +186,7 @@ def test_sampling_crosses_blocks_and_skips_zero_mass_at_block_edges():
 
 
 def test_sdpa_gqa_matches_transformers_sdpa_and_saves_no_repeated_keys(tiny_model_dir):
-    from lit_grpo.attention import use_sdpa_gqa
+    from lit_grpo.model.attention import use_sdpa_gqa
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, padding_side="left")
     models = [AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa") for _ in range(2)]

@@ -14,7 +14,7 @@ from lit_grpo.algorithms.dpo import DPOModule
 from lit_grpo.algorithms.sft import SFTModule
 from lit_grpo.data.sft import SFTDataModule
 from lit_grpo.objectives import sft_loss
-from lit_grpo.policy import LoraSpec, PolicySpec, load_base_model
+from lit_grpo.model.policy import LoraSpec, PolicySpec, load_base_model
 
 
 def trainer(**kwargs) -> L.Trainer:

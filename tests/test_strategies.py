@@ -16,7 +16,7 @@ import lightning as L
 import pytest
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
-from lit_grpo.strategies import check_strategy
+from lit_grpo.training.strategies import check_strategy
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 

@@ -13,7 +13,7 @@ from lit_grpo.cli import main
 from lit_grpo.data.grpo import OnPolicyDataModule
 from lit_grpo.data.sources import load_rows
 from lit_grpo.data.tasks import arithmetic
-from lit_grpo.evaluate import main as eval_main, table
+from lit_grpo.evaluation.evaluate import main as eval_main, table
 
 SLICE = {"3+2": {"digits": [3, 2]}}
 

@@ -29,8 +29,8 @@ from lit_grpo.data.prompts import chat_prompts
 from lit_grpo.generation import GenerationSpec
 from lit_grpo.generation.native import NativeEngine
 from lit_grpo.generation.rollout import SamplingSpec, encode_prompts
-from lit_grpo.logprob_passes import completion_logprobs
-from lit_grpo.policy import LoraSpec, PolicySpec
+from lit_grpo.model.logprob_passes import completion_logprobs
+from lit_grpo.model.policy import LoraSpec, PolicySpec
 from test_chaos import fit_command, run
 from test_module import length_reward
 

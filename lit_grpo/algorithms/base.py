@@ -22,12 +22,12 @@ import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
-from lit_grpo.checkpointing import atomic_folder, check_checkpoint
-from lit_grpo.distributed import full_tensors, reduce_across_ranks, shard
-from lit_grpo.policy import PolicySpec, build_policy, load_tokenizer
-from lit_grpo.refusals import constructed
-from lit_grpo.strategies import check_strategy
-from lit_grpo.training_guard import NonFiniteGuard
+from lit_grpo.training.checkpointing import atomic_folder, check_checkpoint
+from lit_grpo.training.distributed import full_tensors, reduce_across_ranks, shard
+from lit_grpo.model.policy import PolicySpec, build_policy, load_tokenizer
+from lit_grpo.model.refusals import constructed
+from lit_grpo.training.strategies import check_strategy
+from lit_grpo.training.guard import NonFiniteGuard
 
 
 class PolicyModule(L.LightningModule):
@@ -182,7 +182,7 @@ class PolicyModule(L.LightningModule):
         fine-tuning the whole model is written instead. Call it on every rank:
         FSDP2-sharded trainable weights are gathered first (a collective);
         rank 0 writes, into a temporary folder that then replaces ``path``
-        (:func:`~lit_grpo.checkpointing.atomic_folder`): a run killed while
+        (:func:`~lit_grpo.training.checkpointing.atomic_folder`): a run killed while
         exporting leaves the previous export or none, never a part of one.
         """
         path = Path(path)

@@ -23,8 +23,8 @@ from torchmetrics import MeanMetric
 from tqdm.auto import tqdm
 
 from lit_grpo.objectives import LossOutput, dpo_loss, sequence_logps
-from lit_grpo.logprob_passes import completion_logprobs
-from lit_grpo.policy import PolicySpec
+from lit_grpo.model.logprob_passes import completion_logprobs
+from lit_grpo.model.policy import PolicySpec
 from lit_grpo.algorithms.base import PolicyModule
 
 

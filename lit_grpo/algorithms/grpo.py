@@ -29,11 +29,11 @@ from tqdm.auto import tqdm
 
 from lit_grpo.objectives import grpo_loss
 from lit_grpo.objectives.grpo import CLIP_METRICS, IMPORTANCE_LEVELS, LOSS_TYPES, sampler_gap
-from lit_grpo.logprob_passes import completion_logprobs
+from lit_grpo.model.logprob_passes import completion_logprobs
 from lit_grpo.generation import Engine, GenerationSpec, build_engine
-from lit_grpo.policy import PolicySpec
+from lit_grpo.model.policy import PolicySpec
 from lit_grpo.algorithms.base import PolicyModule
-from lit_grpo.answers import greedy_accuracy
+from lit_grpo.algorithms.answers import greedy_accuracy
 from lit_grpo.data.rollout_round import MAX_STATS
 
 # Loss types normalised by a count taken over the whole optimizer step on all

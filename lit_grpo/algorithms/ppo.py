@@ -4,7 +4,7 @@ The actor is the LoRA policy GRPO trains. By default the critic shares its
 frozen base: a second LoRA adapter named ``critic`` on the same peft model
 plus a value head ``Linear(hidden, 1)`` on the decoder's last hidden state,
 so actor, critic and reference (every adapter disabled) cost one set of base
-weights. With ``critic`` set to a :class:`~lit_grpo.policy.PolicySpec` the
+weights. With ``critic`` set to a :class:`~lit_grpo.model.policy.PolicySpec` the
 critic is a model of its own instead (LoRA or fully fine-tuned, any causal LM
 with the actor's tokenizer) under the same kind of value head: a second set
 of base weights, in exchange for a critic whose features the actor's updates
@@ -44,15 +44,15 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from lit_grpo.adapters import active_adapter, kept_requires_grad
+from lit_grpo.model.adapters import active_adapter, kept_requires_grad
 from lit_grpo.algorithms.grpo import SCORED_KEYS, GRPOModule
-from lit_grpo.distributed import full_tensors, shard
+from lit_grpo.training.distributed import full_tensors, shard
 from lit_grpo.generation import GenerationSpec
-from lit_grpo.logprob_passes import completion_hidden_states, completion_logprobs
+from lit_grpo.model.logprob_passes import completion_hidden_states, completion_logprobs
 from lit_grpo.objectives import ppo_loss
 from lit_grpo.objectives.grpo import CLIP_METRICS
 from lit_grpo.objectives.ppo import VALUE_METRICS
-from lit_grpo.policy import PolicySpec, build_policy, load_tokenizer
+from lit_grpo.model.policy import PolicySpec, build_policy, load_tokenizer
 
 ACTOR, CRITIC = "default", "critic"  # peft adapter names; CRITIC also names the critic's export folder
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -65,7 +65,7 @@ class PPOModule(GRPOModule):
         policy: Which model to train and its adapter (LoRA is required for
             the shared critic, a second adapter of the same shape).
         critic: ``None``: the critic is a second LoRA adapter on the policy's
-            frozen base. A :class:`~lit_grpo.policy.PolicySpec`: a separate
+            frozen base. A :class:`~lit_grpo.model.policy.PolicySpec`: a separate
             critic model built from it (``lora: null`` fine-tunes it fully),
             which must use the policy's tokenizer. Either way a value head
             ``Linear(hidden, 1)`` reads its last hidden state.

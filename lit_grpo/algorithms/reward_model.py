@@ -36,10 +36,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from lit_grpo.algorithms.supervised import SupervisedModule
-from lit_grpo.distributed import full_tensors
+from lit_grpo.training.distributed import full_tensors
 from lit_grpo.generation.merged import merged_weights
 from lit_grpo.objectives import LossOutput, bradley_terry_loss
-from lit_grpo.policy import PolicySpec, build_policy
+from lit_grpo.model.policy import PolicySpec, build_policy
 from lit_grpo.rewards.reward_model import ADAPTER_DIR, BASE_FILE, HEAD_FILE, backbone_scores
 
 

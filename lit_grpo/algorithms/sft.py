@@ -3,7 +3,7 @@
 The first stage of RLHF and R1's cold start: maximise the log-likelihood of
 the demonstrated replies given their prompts (:func:`lit_grpo.objectives.sft_loss`).
 Prompt tokens are context, never targets. The scoring pass is the one every
-RL objective uses (:func:`~lit_grpo.logprob_passes.completion_logprobs`, at
+RL objective uses (:func:`~lit_grpo.model.logprob_passes.completion_logprobs`, at
 temperature 1): the output head is fused with the log-softmax, so the
 ``[B, T, V]`` logits are never held. Loading, (Q)LoRA or full fine-tuning,
 the optimizer, checkpoints, exports and strategies come from
@@ -24,9 +24,9 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lit_grpo.algorithms.supervised import SupervisedModule
 from lit_grpo.generation import Engine, GenerationSpec, build_engine
 from lit_grpo.generation.rollout import SamplingSpec
-from lit_grpo.logprob_passes import completion_logprobs
+from lit_grpo.model.logprob_passes import completion_logprobs
 from lit_grpo.objectives import LossOutput, sft_loss
-from lit_grpo.policy import PolicySpec
+from lit_grpo.model.policy import PolicySpec
 
 _SCORED = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
 

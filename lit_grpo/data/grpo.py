@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 from lit_grpo.data.buffer import OnDemand, RolloutBuffer
 from lit_grpo.rewards import Accuracy, Format, Reward, RewardCombiner
 from lit_grpo.generation.rollout import SamplingSpec, encode_prompts
-from lit_grpo.distributed import gather_to_rank_zero
+from lit_grpo.training.distributed import gather_to_rank_zero
 from lit_grpo.data.episodes import EpisodeSetup
 from lit_grpo.data.rollout_round import RolloutResult, collect_rollout
 from lit_grpo.data.setup_checks import check_prompt_budget, choose_estimator

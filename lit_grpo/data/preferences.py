@@ -7,7 +7,7 @@ exactly as GRPO's do; ``chosen`` and ``rejected`` are the assistant's reply
 and end with EOS, so the policy also learns where its answer stops.
 
 A batch of B pairs is served as 2B rows, chosen first, so that one forward
-pass scores both sides and the rows fit :func:`lit_grpo.logprob_passes.completion_logprobs`
+pass scores both sides and the rows fit :func:`lit_grpo.model.logprob_passes.completion_logprobs`
 as they are: ``prompt_ids``/``prompt_mask`` ``[2B, P]`` (left-padded, each
 prompt twice) and ``completion_ids``/``completion_mask`` ``[2B, C]``
 (right-padded).

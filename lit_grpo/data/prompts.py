@@ -35,7 +35,7 @@ def check_prompt_lengths(data) -> None:
     the model's context less sampling.max_new_tokens: past its context a model
     samples for minutes, then garbage. (``val_slices`` are built-in tasks' short
     questions, of the training prompts' form.)"""
-    from lit_grpo.policy import PolicySpec, context_length
+    from lit_grpo.model.policy import PolicySpec, context_length
 
     module = data.trainer.lightning_module if data.trainer else None
     if getattr(module, "tokenizer", None) is None:

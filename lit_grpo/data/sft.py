@@ -12,7 +12,7 @@ Rows take TRL's dataset formats, after a column map:
   turn is context.
 
 A batch is split where the first trained token starts, so that it fits
-:func:`lit_grpo.logprob_passes.completion_logprobs` as it is:
+:func:`lit_grpo.model.logprob_passes.completion_logprobs` as it is:
 ``prompt_ids``/``prompt_mask`` ``[B, P]`` (left-padded) and
 ``completion_ids``/``completion_mask``/``loss_mask`` ``[B, C]`` (right-padded;
 ``loss_mask`` leaves out later user turns). Validation batches also carry

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
-from lit_grpo.policy import DTYPES
+from lit_grpo.model.policy import DTYPES
 
 if TYPE_CHECKING:
     from torch import Tensor

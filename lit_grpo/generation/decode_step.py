@@ -37,7 +37,7 @@ import functools
 import torch
 from torch import Tensor, nn
 
-from lit_grpo.generation.kv_cache import with_cache
+from lit_grpo.model.kv_cache import with_cache
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 """``config.model_type`` values whose decoder layer is Llama's."""

@@ -7,10 +7,10 @@ from collections.abc import Iterator
 
 from torch import Tensor, nn
 
-from lit_grpo.distributed import gathered
+from lit_grpo.training.distributed import gathered
 from lit_grpo.generation.merged import MergedPolicy, can_merge
 from lit_grpo.generation.rollout import Rollout, SamplingSpec, generate
-from lit_grpo.policy import DTYPES
+from lit_grpo.model.policy import DTYPES
 
 
 class NativeEngine:

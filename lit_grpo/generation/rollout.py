@@ -238,7 +238,7 @@ def _decode(model, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, pad, 
     from transformers import DynamicCache
 
     from lit_grpo.generation.decode_step import LlamaStep, ModelStep, llama_step_applies
-    from lit_grpo.generation.kv_cache import with_cache
+    from lit_grpo.model.kv_cache import with_cache
 
     n = prompt_ids.shape[0] * repeat
     width = sampling.max_new_tokens if episodes is None else episodes.width

@@ -44,10 +44,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lit_grpo.distributed import gathered
+from lit_grpo.training.distributed import gathered
 from lit_grpo.generation.merged import merged_weights, trained_weight_names
 from lit_grpo.generation.rollout import Rollout, SamplingSpec, eos_ids, finish_rollout
-from lit_grpo.policy import EMBEDDED, embedded_model_dir
+from lit_grpo.model.policy import EMBEDDED, embedded_model_dir
 
 class VLLMEngine:
     """Samples with a colocated vLLM engine (see the module docstring).
@@ -258,7 +258,7 @@ def _distributed() -> bool:
 
 
 def _torch_dtype(spec, module) -> torch.dtype:
-    from lit_grpo.policy import DTYPES
+    from lit_grpo.model.policy import DTYPES
 
     return DTYPES[spec.dtype] if spec.dtype else module.spec.torch_dtype
 

@@ -119,7 +119,7 @@ class RewardModel(Reward):
         super().__init__(weight, name)
         from transformers import AutoTokenizer
 
-        from lit_grpo.policy import DTYPES
+        from lit_grpo.model.policy import DTYPES
 
         if batch_size < 1:
             raise ValueError(f"RewardModel batch_size={batch_size}; expected >= 1.")
@@ -182,7 +182,7 @@ class RewardModel(Reward):
     def _score(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if not self.shared_base:
             return self.model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
-        from lit_grpo.adapters import active_adapter
+        from lit_grpo.model.adapters import active_adapter
 
         was_training = self.model.training
         self.model.eval()
@@ -234,7 +234,7 @@ def _shared_adapter(folder: str, module, tokenizer) -> tuple[nn.Module, nn.Linea
     """Load the reward adapter (frozen) onto ``module.policy`` and its head on the policy's device."""
     from safetensors.torch import load_file
 
-    from lit_grpo.adapters import kept_requires_grad
+    from lit_grpo.model.adapters import kept_requires_grad
 
     spec, policy = module.spec, module.policy
     if spec.lora is None:

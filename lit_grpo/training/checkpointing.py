@@ -42,7 +42,7 @@ import torch
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from lit_grpo.policy import PolicySpec
+from lit_grpo.model.policy import PolicySpec
 
 # The settings that decide what the trainable weights are: a checkpoint saved
 # under other values does not fit (or silently means something else).
@@ -161,7 +161,7 @@ def check_policy(saved: Any, current: Any, where: str) -> None:
 
     Args:
         saved: The policy in the checkpoint's hyper-parameters: a
-            :class:`~lit_grpo.policy.PolicySpec`, its dict, or ``None`` (the default).
+            :class:`~lit_grpo.model.policy.PolicySpec`, its dict, or ``None`` (the default).
         current: The policy of this run, in the same forms.
         where: How the message names the checkpoint (``ckpt_path='...'``).
 

@@ -27,8 +27,8 @@ from typing import Literal
 import torch
 from torch import nn
 
-from lit_grpo.attention import use_sdpa_gqa
-from lit_grpo.refusals import constructed
+from lit_grpo.model.attention import use_sdpa_gqa
+from lit_grpo.model.refusals import constructed
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class PolicySpec:
             ``flash_attention_2``...) passed to ``from_pretrained``. ``None``
             takes transformers' default and, where that is ``sdpa``, lets
             PyTorch serve grouped-query heads without copying keys and values
-            (:mod:`lit_grpo.attention`). On CPUs in bfloat16, ``eager`` trains
+            (:mod:`lit_grpo.model.attention`). On CPUs in bfloat16, ``eager`` trains
             faster than ``sdpa``, whose CPU backward is slow in bf16.
         init_adapter: A trained PEFT LoRA adapter folder (what ``lit-grpo sft
             fit --export_adapter`` writes) folded into the frozen base weights

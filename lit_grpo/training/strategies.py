@@ -3,7 +3,7 @@
 A rollout calls the policy directly, outside the LightningModule's forward,
 once per new token. Under FSDP2 (Lightning's ``ModelParallelStrategy``, whose
 ``configure_model`` hook applies ``fully_shard``),
-:func:`lit_grpo.distributed.gathered` unshards the weights for the rollout.
+:func:`lit_grpo.training.distributed.gathered` unshards the weights for the rollout.
 Lightning's ``FSDPStrategy`` (FSDP1) and DeepSpeed's ZeRO-3 gather shards only
 inside their wrapper's forward, so a rollout there would decode with weights
 it cannot read; :func:`check_strategy` refuses them at setup with a line that

@@ -60,7 +60,7 @@ class ReleaseHostMemory(L.Callback):
     Trades speed for peak memory (see the module docstring): measured on the
     embedded model, 1 prompt x 8 completions of 1024 tokens with gradient
     checkpointing, peak RSS 7.8 -> 2.5 GB and the step 99 -> 143 s.
-    In YAML: ``trainer.callbacks: [{class_path: lit_grpo.host_memory.ReleaseHostMemory}]``.
+    In YAML: ``trainer.callbacks: [{class_path: lit_grpo.training.host_memory.ReleaseHostMemory}]``.
     """
 
     def __init__(self) -> None:

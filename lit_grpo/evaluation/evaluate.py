@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.data.grpo import OnPolicyDataModule
 from lit_grpo.generation.episodes import episode_stats
-from lit_grpo.policy import LoraSpec
+from lit_grpo.model.policy import LoraSpec
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:

@@ -202,7 +202,7 @@ def _shared_prompt_logits(model, prompts, inverse, prompt_mask, completion_ids, 
     """
     from transformers import DynamicCache
 
-    from lit_grpo.generation.kv_cache import with_cache
+    from lit_grpo.model.kv_cache import with_cache
 
     P = prompt_mask.shape[1]
     unique_ids, unique_mask = prompts[:, :P], prompts[:, P:]  # [U, P] each
