@@ -166,8 +166,9 @@ def _forget_gguf_quantizer(model: nn.Module) -> None:
         del model.config.quantization_config
 
 
-def _resolve(spec: PolicySpec) -> tuple[str, dict]:
-    """Map ``name_or_path`` to what ``from_pretrained`` takes."""
+def _resolve(spec: PolicySpec, needed: tuple[str, ...] = ()) -> tuple[str, dict]:
+    """Map ``name_or_path`` to what ``from_pretrained`` takes; a local folder must hold the
+    ``needed`` parts of a model folder (keys of :data:`MODEL_FOLDER_FILES`)."""
     if spec.name_or_path == EMBEDDED:
         return str(embedded_model_dir(spec.cache_dir)), {}
     path = Path(spec.name_or_path)
@@ -179,7 +180,7 @@ def _resolve(spec: PolicySpec) -> tuple[str, dict]:
     if looks_local and not path.exists():
         raise FileNotFoundError(f"policy.name_or_path={spec.name_or_path!r}: no such folder.")
     if path.is_dir() and not spec.gguf_file:
-        check_model_folder(path, "policy.name_or_path")
+        check_model_folder(path, "policy.name_or_path", needed)
     if spec.gguf_file and path.exists() and not (path / spec.gguf_file).is_file():
         raise FileNotFoundError(
             f"policy.gguf_file={spec.gguf_file!r} is not in {spec.name_or_path!r}."
@@ -189,24 +190,26 @@ def _resolve(spec: PolicySpec) -> tuple[str, dict]:
     return spec.name_or_path, ({"gguf_file": spec.gguf_file} if spec.gguf_file else {})
 
 
+CONFIG, WEIGHTS, TOKENIZER = ("config.json", "weights (model.safetensors or pytorch_model.bin, or their shards)",
+                               "tokenizer files (tokenizer.json, tokenizer.model or vocab.json)")
 MODEL_FOLDER_FILES = {
-    "config.json": ("config.json",),
-    "weights (model.safetensors or pytorch_model.bin, or their shards)":
-        ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json"),
-    "tokenizer files (tokenizer.json, tokenizer.model or vocab.json)": ("tokenizer.json", "tokenizer.model", "vocab.json"),
+    CONFIG: ("config.json",),
+    WEIGHTS: ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json"),
+    TOKENIZER: ("tokenizer.json", "tokenizer.model", "vocab.json"),
 }
 """What a transformers model folder (``save_pretrained`` of a model and its tokenizer) holds."""
 
 
-def check_model_folder(path: Path, field: str) -> None:
-    """Refuse, naming ``field`` and what is missing, a folder that is not a saved model.
+def check_model_folder(path: Path, field: str, needed: tuple[str, ...]) -> None:
+    """Refuse, naming ``field`` and all it lacks, a folder without the ``needed`` parts of a saved
+    model (a tokenizer loads from a folder of tokenizer files alone, a model needs its config and weights).
 
     Raises:
-        FileNotFoundError: The folder lacks a config, weights or tokenizer files.
+        FileNotFoundError: The folder lacks a needed part.
     """
     missing = [what for what, patterns in MODEL_FOLDER_FILES.items()
                if not any(next(path.glob(pattern), None) for pattern in patterns)]
-    if missing:
+    if set(missing) & set(needed):
         raise FileNotFoundError(
             f"{field}={str(path)!r} is not a model folder: it has no {' and no '.join(missing)}; pass a "
             "folder written by save_pretrained (model and tokenizer), a .gguf file, a hub id, or embedded."
@@ -295,7 +298,7 @@ def load_tokenizer(spec: PolicySpec):
     """Load the tokenizer, left-padding (generation appends on the right)."""
     from transformers import AutoTokenizer
 
-    source, kwargs = _resolve(spec)
+    source, kwargs = _resolve(spec, needed=(TOKENIZER,))
     tokenizer = constructed("policy", AutoTokenizer.from_pretrained, source,
                             values={"name_or_path": spec.name_or_path}, **kwargs)
     tokenizer.padding_side = "left"
@@ -308,7 +311,7 @@ def load_base_model(spec: PolicySpec) -> nn.Module:
     """Load the causal LM named by ``spec`` (quantized when ``load_in_4bit``)."""
     from transformers import AutoModelForCausalLM
 
-    source, kwargs = _resolve(spec)
+    source, kwargs = _resolve(spec, needed=(CONFIG, WEIGHTS))
     if spec.load_in_4bit:
         from transformers import BitsAndBytesConfig
 
