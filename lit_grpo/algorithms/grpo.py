@@ -35,6 +35,8 @@ from lit_grpo.model.policy import PolicySpec
 from lit_grpo.algorithms.base import PolicyModule
 from lit_grpo.algorithms.answers import greedy_accuracy
 from lit_grpo.data.rollout_round import MAX_STATS
+from lit_grpo.model.hardware import peak_flops
+from lit_grpo.training.throughput import EpochThroughput, FlopModel
 
 # Loss types normalised by a count taken over the whole optimizer step on all
 # ranks; Lightning averages micro-batches and DDP averages ranks, so these
@@ -211,6 +213,8 @@ class GRPOModule(PolicyModule):
         self._log_rollout_stats()
         start = time.perf_counter()
         batch, scale = self._rows_with_gradient(batch)
+        if batch is not None:
+            self.throughput.step(batch)
         if batch is None:  # every row's gradient is exactly zero: no forward, no backward
             self._log_step(dict.fromkeys(self._step_metric_names(), 0.0), 0.0, rows=0)
             self._backward_start = time.perf_counter()
@@ -254,6 +258,9 @@ class GRPOModule(PolicyModule):
     def _log_rollout_stats(self) -> None:
         stats = self.trainer.datamodule.take_stats()  # once per rollout (the loader builds it on first use)
         if stats:
+            rows = self.trainer.datamodule.last_result.rows
+            self.throughput.rollout(rows, stats.get("rollout/generated_tokens", 0.0))
+            self.rollout_seconds = {k.removeprefix("time/"): v for k, v in stats.items() if k.startswith("time/")}
             self.log_reduced({k: v for k, v in stats.items() if k not in MAX_STATS})
             self.log_reduced({k: stats[k] for k in MAX_STATS}, op="max")
 
@@ -306,6 +313,7 @@ class GRPOModule(PolicyModule):
         # they are reduced here, where every rank is in step, not at epoch end.
         if batch["micro_batch"] + 1 == self.trainer.datamodule.micro_batches:
             values = {f"time/{phase}": self.phase_seconds.get(phase, 0.0) for phase in _STEP_PHASES}
+            values.update(self.throughput.metrics({**self.rollout_seconds, **self.phase_seconds}))
             self.log_reduced({**values, "train/skipped_steps": float(self.guard.skipped)})
 
     # ---------------------------------------------------------------- logging
@@ -313,9 +321,15 @@ class GRPOModule(PolicyModule):
         # Trainer.log_dir is a broadcast: asked once here, where every rank asks,
         # never in the epoch-end hooks that only rank 0 gets to write from.
         self.log_dir = self.trainer.log_dir
+        # The peak is measured on a CPU (cached after the first run): by rank 0 alone, so that
+        # ranks sharing the cores do not slow each other's probe, and broadcast.
+        peak = peak_flops(self.device, self.spec.cache_dir) if self.global_rank == 0 else 0.0
+        self.throughput = EpochThroughput(FlopModel.of(self.policy), self.trainer.strategy.broadcast(peak, src=0))
+        self.rollout_seconds: dict[str, float] = {}
 
     def on_train_epoch_start(self) -> None:
         self.phase_seconds = {}
+        self.throughput.reset()
 
     def setup(self, stage: str) -> None:
         super().setup(stage)

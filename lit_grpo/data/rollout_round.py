@@ -78,6 +78,7 @@ def collect_rollout(datamodule, module, rank: int) -> RolloutResult:
     rows, stats = _assemble(groups, module, datamodule, timings)
     stats.update(_rollout_stats(groups, rows, G))
     stats["rollout/tokens_per_s"] = generated_tokens / max(timings["generate"], 1e-9)
+    stats["rollout/generated_tokens"] = float(generated_tokens)  # dynamic sampling's dropped groups included
     stats["rollout/rounds"] = float(round_index + 1)
     stats.update({f"time/{name}": seconds for name, seconds in timings.items()})
     samples = [(g.prompt, datamodule.full_completions(g.texts[:1])[0], float(g.rewards[0]))

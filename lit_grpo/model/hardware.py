@@ -1,0 +1,145 @@
+"""What the device computes at: its peak matmul rate, and the dtype it trains fastest in.
+
+Two questions are answered here, both by measurement where no table can:
+
+* **The peak**, the denominator of ``perf/mfu``. On CUDA it is the GPU's
+  dense bf16 tensor-core peak from :data:`CUDA_BF16_PEAK_TFLOPS` (a GPU not in
+  the table is measured like a CPU). On a CPU it is measured: a short matmul
+  probe (:func:`measure_matmul_flops`, about a second) in fp32 and in bf16 at
+  the process's thread count, the faster of the two being the peak. The
+  result is cached in ``<cache>/matmul_peak.json`` by CPU model, thread count
+  and torch version, so later runs read it.
+* **The fastest dtype**, what ``policy.dtype: auto`` picks: bf16 on a GPU that
+  supports it; on a CPU bf16 where the probe's bf16 matmul is at least
+  :data:`BF16_MIN_SPEEDUP` times its fp32 one (CPUs with AMX or AVX-512 BF16
+  units; without them bf16 matmuls are emulated and slower), else fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from the vendors' data sheets;
+# the first name that occurs in torch.cuda.get_device_name() wins, so longer names come first.
+CUDA_BF16_PEAK_TFLOPS = {
+    "H200": 989.4, "H100 PCIe": 756.0, "H100": 989.4, "GH200": 989.4, "B200": 2250.0,
+    "A100": 312.0, "A800": 312.0, "L40S": 362.1, "L40": 181.0, "L4": 121.0, "A10G": 70.0, "A10": 125.0,
+    "RTX 6000 Ada": 364.2, "A6000": 154.8, "RTX 4090": 165.2, "RTX 3090": 71.0,
+}
+BF16_MIN_SPEEDUP = 1.5
+"""bf16 matmuls must beat fp32 ones by this factor on a CPU for ``auto`` to pick bf16."""
+
+PROBE_SHAPE = (1024, 1024, 2048)
+"""``[m, k] @ [k, n]`` of the CPU probe: as wide as a small model's layers, 4.3 GFLOP a product."""
+
+
+def measure_matmul_flops(dtype: torch.dtype, device: torch.device | str = "cpu", seconds: float = 0.3) -> float:
+    """FLOP/s of repeated ``[m, k] @ [k, n]`` products (:data:`PROBE_SHAPE`) on ``device`` in ``dtype``.
+
+    One product warms up, then products run for at least ``seconds``; the
+    best of three such rounds is returned (a shared machine slows some).
+    """
+    m, k, n = PROBE_SHAPE
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(m, k, generator=generator).to(device, dtype)
+    b = torch.randn(k, n, generator=generator).to(device, dtype)
+    synchronize = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    a @ b
+    best = 0.0
+    for _ in range(3):
+        synchronize()
+        start, count = time.perf_counter(), 0
+        while True:
+            a @ b
+            count += 1
+            synchronize()
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds:
+                break
+        best = max(best, 2 * m * k * n * count / elapsed)
+    return best
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``'s, else the platform's)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_matmul_flops(cache_dir: str | None = None) -> dict[str, float]:
+    """Measured fp32 and bf16 matmul FLOP/s of this CPU at this thread count, cached on disk.
+
+    Returns:
+        ``{"float32": flops, "bfloat16": flops}``.
+    """
+    return dict(_cpu_matmul_flops(str(_cache_file(cache_dir)), cpu_name(), torch.get_num_threads()))
+
+
+@functools.cache
+def _cpu_matmul_flops(path: str, cpu: str, threads: int) -> tuple[tuple[str, float], ...]:
+    key = f"{cpu} | {threads} threads | torch {torch.__version__}"
+    file = Path(path)
+    try:
+        cached = json.loads(file.read_text()).get(key)
+    except (OSError, ValueError):
+        cached = None
+    if not cached:
+        cached = {name: measure_matmul_flops(dtype) for name, dtype in
+                  (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
+        _store(file, key, cached)
+    return tuple(sorted(cached.items()))
+
+
+def _store(file: Path, key: str, value: dict) -> None:
+    try:
+        known = json.loads(file.read_text())
+    except (OSError, ValueError):
+        known = {}
+    known[key] = value
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_name(f"{file.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(known, indent=1))
+    tmp.replace(file)  # atomic: concurrent ranks never read half a file
+
+
+def _cache_file(cache_dir: str | None) -> Path:
+    from lit_grpo.model.policy import cache_root
+
+    return cache_root(cache_dir) / "matmul_peak.json"
+
+
+def peak_flops(device: torch.device | str, cache_dir: str | None = None) -> float:
+    """The device's peak matmul FLOP/s, the denominator of ``perf/mfu`` (see the module docstring)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for known, tflops in CUDA_BF16_PEAK_TFLOPS.items():
+            if known in name:
+                return tflops * 1e12
+        return _cuda_measured(device.index or 0)
+    return max(cpu_matmul_flops(cache_dir).values())
+
+
+@functools.cache
+def _cuda_measured(index: int) -> float:
+    return measure_matmul_flops(torch.bfloat16, torch.device("cuda", index))
+
+
+def fastest_dtype(cache_dir: str | None = None) -> str:
+    """The dtype ``policy.dtype: auto`` trains in here: ``"bfloat16"`` or ``"float32"`` (module docstring)."""
+    if torch.cuda.is_available():
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+    flops = cpu_matmul_flops(cache_dir)
+    return "bfloat16" if flops["bfloat16"] >= BF16_MIN_SPEEDUP * flops["float32"] else "float32"

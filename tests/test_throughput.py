@@ -1,0 +1,101 @@
+"""perf/* metrics: the FLOP count against torch's own counter, the probe, the dtype ``auto`` picks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from lit_grpo.model import hardware
+from lit_grpo.model.policy import PolicySpec, build_policy
+from lit_grpo.training.throughput import EpochThroughput, FlopModel, rollout_tokens
+from test_module import make, trainer
+
+
+def _tiny_policy(tiny_model_dir, lora=True):
+    from lit_grpo.model.policy import LoraSpec
+
+    spec = PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8) if lora else None)
+    return build_policy(spec, need_reference=False)[0]
+
+
+def test_the_linear_flops_are_what_torch_counts_in_a_forward(tiny_model_dir):
+    policy = _tiny_policy(tiny_model_dir)
+    costs = FlopModel.of(policy)
+    ids = torch.randint(0, 100, (3, 7))
+    with FlopCounterMode(display=False) as counter:
+        with torch.no_grad():
+            policy(input_ids=ids)
+    counts = counter.get_flop_counts()["Global"]
+    matmuls = sum(v for op, v in counts.items() if str(op).split(".")[1] in ("mm", "addmm", "bmm"))
+    assert matmuls == 2 * (costs.base_linear + costs.adapter_linear) * ids.numel()
+
+
+def test_lora_trains_the_adapter_only_and_full_fine_tuning_every_layer(tiny_model_dir):
+    lora, full = FlopModel.of(_tiny_policy(tiny_model_dir)), FlopModel.of(_tiny_policy(tiny_model_dir, lora=False))
+    assert lora.trained_linear == lora.adapter_linear > 0
+    assert full.adapter_linear == 0 and full.trained_linear == full.base_linear == lora.base_linear
+    assert lora.attention == full.attention == 2 * 4 * 8  # layers x heads x head_dim
+    # a training pass under LoRA: forward + input gradients + the adapter's weight gradients
+    tokens, pairs = 10.0, 30.0
+    expected = 2 * (2 * lora.base_linear + 3 * lora.adapter_linear) * tokens + 12 * lora.attention * pairs
+    assert lora.forward_backward(tokens, pairs) == expected
+
+
+def test_rows_that_share_a_prompt_count_it_once():
+    prompt_ids = torch.tensor([[0, 5, 6], [0, 5, 6], [7, 8, 9], [0, 5, 6]])
+    prompt_mask = torch.tensor([[0, 1, 1], [0, 1, 1], [1, 1, 1], [0, 1, 1]])
+    attention = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 0, 0]])
+    tokens, pairs = rollout_tokens(prompt_ids, prompt_mask, attention)
+    assert tokens == (2 + 3) + (2 + 1 + 3 + 0)
+    # each prompt's causal pairs once, then each completion token attends to its prompt and itself before
+    assert pairs == (3 + 6) + (2 * 2 + 3) + (1 * 2 + 1) + (3 * 3 + 6)
+
+
+def test_the_epoch_metrics_divide_flops_by_the_phases_that_did_them():
+    costs = FlopModel(base_linear=100, adapter_linear=0, trained_linear=0, attention=0)
+    meter = EpochThroughput(costs, peak=1e4)
+    rows = {"prompt_ids": torch.zeros(2, 1, dtype=torch.long), "prompt_mask": torch.ones(2, 1),
+            "completion_mask": torch.ones(2, 4), "ref_logprobs": torch.zeros(2, 4)}
+    meter.rollout(rows, generated_tokens=16)  # twice the 8 kept tokens: dynamic sampling dropped a round
+    meter.step(rows)
+    perf = meter.metrics({"generate": 2.0, "reward": 1.0, "reference": 0.5, "policy_forward": 0.5,
+                          "policy_backward": 1.0})
+    forward = 2 * 100 * 9  # 1 shared prompt token + 8 completion tokens
+    assert perf["perf/mfu"] == pytest.approx((forward + 2 * forward) / 2.0 / 1e4)
+    assert perf["perf/rollout_mfu"] == pytest.approx(2 * forward / 2.0 / 1e4)
+    assert perf["perf/tokens_per_s"] == pytest.approx(8 / 5.0)
+
+
+def test_a_fit_logs_throughput_and_mfu_below_the_measured_peak(tmp_path, tiny_model_dir):
+    module, data = make(tiny_model_dir)
+    fit = trainer(tmp_path, epochs=1)
+    fit.fit(module, data)
+    metrics = fit.callback_metrics
+    assert metrics["perf/tokens_per_s"] > 0
+    assert 0 < metrics["perf/mfu"] < 1 and 0 < metrics["perf/rollout_mfu"] < 1
+
+
+def _cached(tmp_path, fp32: float, bf16: float) -> str:
+    key = f"{hardware.cpu_name()} | {torch.get_num_threads()} threads | torch {torch.__version__}"
+    (tmp_path / "matmul_peak.json").write_text(json.dumps({key: {"float32": fp32, "bfloat16": bf16}}))
+    return str(tmp_path)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="auto looks at the GPU where there is one")
+@pytest.mark.parametrize("bf16, expected", [(4e11, torch.bfloat16), (1.4e11, torch.float32)])
+def test_auto_trains_in_bf16_only_where_its_matmuls_are_measured_faster(tmp_path, bf16, expected):
+    cache = _cached(tmp_path, fp32=1e11, bf16=bf16)
+    assert PolicySpec(dtype="auto", cache_dir=cache).torch_dtype == expected
+    assert hardware.peak_flops("cpu", cache) == max(1e11, bf16)
+
+
+def test_the_probe_measures_and_caches_both_dtypes(tmp_path):
+    flops = hardware.cpu_matmul_flops(str(tmp_path))
+    assert set(flops) == {"float32", "bfloat16"} and min(flops.values()) > 1e8
+    stored = json.loads((tmp_path / "matmul_peak.json").read_text())
+    assert list(stored.values()) == [flops]
+    with pytest.raises(ValueError, match=r"policy.dtype='fp8'; expected one of \['bfloat16', 'float16'"):
+        PolicySpec(dtype="fp8")
