@@ -250,3 +250,26 @@ def test_errors():
         grpo_loss(lp, lp, adv, torch.ones(2), beta=0.0)
     with pytest.raises(ValueError, match=r"advantages shape \(2, 1\) does not match logprobs shape \(2, 3\)"):
         grpo_loss(lp, lp, torch.ones(2, 1), mask, beta=0.0)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_bf16_inputs_are_computed_in_fp32_and_match_the_reference_loop(loss_type):
+    # bf16 log-probs (what a bf16 model's logits give without the fused head) are upcast first:
+    # the loss equals the fp32 reference on the same (rounded) values, not a bf16 computation of it.
+    gen = torch.Generator().manual_seed(3)
+    logprobs = (-torch.rand(5, 6, generator=gen) * 3).bfloat16().requires_grad_()
+    old = (logprobs.detach().float() + 0.4 * torch.randn(5, 6, generator=gen)).bfloat16()
+    ref = (logprobs.detach().float() + 0.5 * torch.randn(5, 6, generator=gen)).bfloat16()
+    adv = torch.randn(5, generator=gen).bfloat16()
+    mask = (torch.arange(6) < torch.tensor([6, 3, 0, 1, 5])[:, None]).float()
+    upcast = logprobs.detach().float().requires_grad_()
+    expected = reference_loss(upcast, old.float(), adv.float(), mask, ref.float(), 0.04, 0.2, 0.28, loss_type,
+                              "token", 5, 13)
+    (expected_grad,) = torch.autograd.grad(expected, upcast)
+    out = grpo_loss(logprobs, old, adv, mask, ref_logprobs=ref, beta=0.04, epsilon_high=0.28, loss_type=loss_type,
+                    max_completion_length=5, num_items=13)
+    out.loss.backward()
+    assert out.loss.dtype == torch.float32 and out.metrics["kl"].dtype == torch.float32
+    torch.testing.assert_close(out.loss, expected)
+    assert logprobs.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(logprobs.grad.float(), expected_grad, atol=2e-3, rtol=8e-3)  # bf16 rounding

@@ -1,10 +1,15 @@
-"""Lightning's precision settings around GRPOModule on a CPU: a plain Trainer trains and validates."""
+"""Precision: Lightning's settings around GRPOModule on a CPU, the bf16 policy, the objectives in bf16."""
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
 import torch
 
+from lit_grpo.algorithms.grpo import GRPOModule
+from lit_grpo.model.logprob_passes import completion_logprobs
+from lit_grpo.model.policy import PolicySpec
+from lit_grpo.objectives import bradley_terry_loss, dpo_loss, ppo_loss, sft_loss
 from test_module import make, trainer
 
 
@@ -24,3 +29,58 @@ def test_plain_trainer_trains_and_validates_at_bf16(tmp_path, tiny_model_dir, pr
     assert any(not torch.equal(before[n].to(after[n].dtype), after[n]) for n in before)  # it trained
     expected = torch.bfloat16 if precision == "bf16-true" else torch.float32
     assert all(after[n].dtype == expected for n in before)
+
+
+def _bf16_module(tiny_model_dir):
+    _, data = make(tiny_model_dir)
+    module = GRPOModule(policy=PolicySpec(name_or_path=tiny_model_dir, dtype="bfloat16"), beta=0.04, progress=False,
+                        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+    return module, data
+
+
+def test_a_bf16_policy_keeps_its_adapter_optimizer_state_and_log_probs_in_fp32(tmp_path, tiny_model_dir):
+    module, data = _bf16_module(tiny_model_dir)
+    fit = trainer(tmp_path, epochs=1)
+    fit.fit(module, data)
+    params = dict(module.policy.named_parameters())
+    assert {p.dtype for n, p in params.items() if "lora_" not in n} == {torch.bfloat16}  # the frozen base
+    assert {p.dtype for n, p in params.items() if "lora_" in n} == {torch.float32}
+    state = fit.optimizers[0].state
+    assert state and {s["exp_avg"].dtype for s in state.values()} == {torch.float32}
+    ids = torch.randint(0, 100, (2, 5))
+    logprobs, entropy = completion_logprobs(module.policy, ids, torch.ones_like(ids), ids, torch.ones_like(ids),
+                                            temperature=1.0, with_entropy=True)
+    assert logprobs.dtype == entropy.dtype == torch.float32
+
+
+def test_bf16_runs_of_one_seed_train_to_the_same_adapter_bitwise(tmp_path, tiny_model_dir):
+    adapters = []
+    for run in range(2):
+        L.seed_everything(0)
+        module, data = _bf16_module(tiny_model_dir)
+        trainer(tmp_path / str(run), epochs=2).fit(module, data)
+        adapters.append({n: p.detach().clone() for n, p in module.policy.named_parameters() if p.requires_grad})
+    assert adapters[0].keys() == adapters[1].keys()
+    assert all(torch.equal(adapters[0][n], adapters[1][n]) for n in adapters[0])
+
+
+def _bf16(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+LOSSES = {  # each loss on bf16 inputs, and the same values as fp32 tensors
+    "ppo_loss": lambda cast: ppo_loss(*(cast(_bf16(3, 4, seed=i) - 1) for i in range(3)), torch.ones(3, 4),
+                                      *(cast(_bf16(3, 4, seed=i)) for i in range(3, 6))),
+    "dpo_loss": lambda cast: dpo_loss(*(cast(_bf16(4, seed=i) * 20 - 60) for i in range(4)), beta=0.1),
+    "sft_loss": lambda cast: sft_loss(cast(_bf16(3, 4) - 2), torch.ones(3, 4)),
+    "bradley_terry_loss": lambda cast: bradley_terry_loss(cast(_bf16(4) * 8), cast(_bf16(4, seed=1) * 8)),
+}
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_each_loss_computes_in_fp32_on_bf16_inputs(name):
+    in_bf16, in_fp32 = LOSSES[name](lambda t: t), LOSSES[name](lambda t: t.float())
+    assert in_bf16.loss.dtype == torch.float32
+    assert torch.equal(in_bf16.loss, in_fp32.loss)
+    for key, value in in_fp32.metrics.items():
+        assert torch.equal(in_bf16.metrics[key], value), key

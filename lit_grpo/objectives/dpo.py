@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lit_grpo.objectives.grpo import LossOutput
+from lit_grpo.objectives.grpo import LossOutput, at_least_fp32
 
 
 def _check_inputs(beta: float, label_smoothing: float, **logps: Tensor) -> None:
@@ -74,6 +74,8 @@ def dpo_loss(
         policy_rejected_logps=policy_rejected_logps, ref_chosen_logps=ref_chosen_logps,
         ref_rejected_logps=ref_rejected_logps,
     )
+    policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps = at_least_fp32(
+        policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps)
     chosen_rewards = beta * (policy_chosen_logps - ref_chosen_logps)  # [B]
     rejected_rewards = beta * (policy_rejected_logps - ref_rejected_logps)  # [B]
     margin = chosen_rewards - rejected_rewards  # [B]
@@ -103,4 +105,5 @@ def sequence_logps(logprobs: Tensor, completion_mask: Tensor) -> Tensor:
     Returns:
         ``[N]`` summed log-probs.
     """
+    (logprobs,) = at_least_fp32(logprobs)
     return torch.where(completion_mask.bool(), logprobs, 0.0).sum(-1)  # [N]

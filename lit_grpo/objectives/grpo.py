@@ -37,6 +37,16 @@ class LossOutput(NamedTuple):
     metrics: dict[str, Tensor]
 
 
+def at_least_fp32(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
+    """The tensors in at least float32 (half precision is upcast, differentiably; fp64 stays).
+
+    Every loss here computes in float32 whatever dtype its log-probs, values
+    or scores arrive in: ratios, ``exp`` and the KL lose too much in bf16.
+    """
+    return tuple(t if t is None or not t.is_floating_point() else t.to(torch.promote_types(t.dtype, torch.float32))
+                 for t in tensors)
+
+
 def _token_log_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:
     return log_ratio  # [N, T]
 
@@ -214,6 +224,10 @@ def grpo_loss(
         logprobs, advantages, old_logprobs=old_logprobs, completion_mask=completion_mask, **with_ref
     )
 
+    logprobs, old_logprobs, advantages, importance_weights = at_least_fp32(
+        logprobs, old_logprobs, advantages, importance_weights)
+    if beta > 0:
+        (ref_logprobs,) = at_least_fp32(ref_logprobs)
     real = completion_mask.bool()  # [N, T]
     mask = real.to(logprobs.dtype)  # [N, T]
     log_ratio = torch.where(real, logprobs - old_logprobs, 0.0)  # [N, T]

@@ -23,6 +23,7 @@ from torch import Tensor
 from lit_grpo.objectives.grpo import (
     _LOSS_TYPES,
     LossOutput,
+    at_least_fp32,
     _check_choice,
     _check_norm,
     _clip_metrics,
@@ -95,6 +96,8 @@ def ppo_loss(
             raise ValueError(f"{name} shape {tuple(tensor.shape)} does not match logprobs shape "
                              f"{tuple(logprobs.shape)} (all [N, T])")
 
+    logprobs, old_logprobs, advantages, values, old_values, returns = at_least_fp32(
+        logprobs, old_logprobs, advantages, values, old_values, returns)
     real = completion_mask.bool()  # [N, T]
     mask = real.to(logprobs.dtype)  # [N, T]
     ratio = torch.exp(torch.where(real, logprobs - old_logprobs, 0.0))  # [N, T]

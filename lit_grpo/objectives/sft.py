@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lit_grpo.objectives.grpo import LossOutput
+from lit_grpo.objectives.grpo import LossOutput, at_least_fp32
 
 
 def sft_loss(logprobs: Tensor, loss_mask: Tensor) -> LossOutput:
@@ -40,6 +40,7 @@ def sft_loss(logprobs: Tensor, loss_mask: Tensor) -> LossOutput:
     tokens = keep.sum()
     if tokens == 0:
         raise ValueError("sft_loss: the loss mask keeps no token (every completion is empty)")
+    (logprobs,) = at_least_fp32(logprobs)
     nll = -torch.where(keep, logprobs, 0.0).sum() / tokens
     return LossOutput(loss=nll, metrics={})
 
@@ -62,6 +63,7 @@ def bradley_terry_loss(chosen_rewards: Tensor, rejected_rewards: Tensor) -> Loss
     if chosen_rewards.shape != rejected_rewards.shape or chosen_rewards.dim() != 1:
         raise ValueError(f"chosen_rewards {tuple(chosen_rewards.shape)} and rejected_rewards "
                          f"{tuple(rejected_rewards.shape)} must be the same [B] shape")
+    chosen_rewards, rejected_rewards = at_least_fp32(chosen_rewards, rejected_rewards)
     margin = chosen_rewards - rejected_rewards  # [B]
     metrics = {
         "accuracy": (margin > 0).to(margin.dtype).mean(),
