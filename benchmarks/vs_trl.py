@@ -79,6 +79,7 @@ class Settings:
     lit_generation_dtype: str | None = None
     lit_skip_zero_gradient_rows: bool = True
     trl_bf16: bool = False
+    fixed_length: bool = False  # every completion exactly max_new_tokens long (EOS ignored), on both sides
 
     @property
     def rollout_size(self) -> int:
@@ -91,7 +92,8 @@ def lit_datamodule(s: Settings, cls=None):
     from lit_grpo.generation.rollout import SamplingSpec
     from lit_grpo.rewards import Accuracy
 
-    sampling = SamplingSpec(group_size=s.group_size, temperature=s.temperature, max_new_tokens=s.max_new_tokens)
+    sampling = SamplingSpec(group_size=s.group_size, temperature=s.temperature, max_new_tokens=s.max_new_tokens,
+                            ignore_eos=s.fixed_length)
     return (cls or OnPolicyDataModule)(
         source="arithmetic", task_args={"digits": 2, "ops": "+"}, train_size=max(64, s.prompts * s.steps),
         val_size=1, prompts_per_epoch=s.prompts, batch_size=s.rollout_size, sampling=sampling,
@@ -146,7 +148,7 @@ def run_lit(s: Settings) -> dict:
             self.steps.append({"seconds": time.perf_counter() - wall, "cpu_seconds": time.process_time() - cpu,
                                "reward": data.last_stats["reward/total"],
                                "tokens": data.last_stats["completion/length_mean"] * s.rollout_size,
-                               "phases": phases})
+                               "phases": phases, "perf": module.throughput.metrics(phases)})
 
     policy = PolicySpec(name_or_path="embedded", dtype=s.lit_dtype, attn_implementation=s.lit_attn,
                         lora=LoraSpec(r=s.lora_r, alpha=s.lora_alpha, dropout=0.0, target_modules="all-linear"))
@@ -203,6 +205,7 @@ def run_trl(s: Settings) -> dict:
             scale_rewards="group", learning_rate=s.lr, lr_scheduler_type="constant", weight_decay=0.0,
             max_grad_norm=s.max_grad_norm, gradient_checkpointing=False, max_steps=s.steps,
             shuffle_dataset=False, save_strategy="no", logging_steps=1, report_to="none", disable_tqdm=True,
+            generation_kwargs={"min_new_tokens": s.max_new_tokens} if s.fixed_length else None,
         )
         lora = LoraConfig(r=s.lora_r, lora_alpha=s.lora_alpha, lora_dropout=0.0, target_modules="all-linear",
                           task_type="CAUSAL_LM")
