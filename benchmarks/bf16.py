@@ -19,7 +19,9 @@ trains the same ``prompts x G x tokens`` completion tokens on both sides. A
 step runs from its rollout's start to the end of its optimizer step; the
 figure is the median over the steps after the first (its warm-up), or the one
 step when ``--steps 1``. Peak memory is the child's peak RSS (model loading
-included). MFU is lit_grpo's ``perf/mfu``: the model FLOPs of its training
+included). Rollouts of more than 32 rows (8x8x256) train in micro-batches of
+16 rows on both sides, accumulated into the step's one optimizer step (one
+pass over 64 rows of 256 tokens outgrows a 24 GiB machine in fp32). MFU is lit_grpo's ``perf/mfu``: the model FLOPs of its training
 passes (policy forward and backward, reference pass) over their seconds and
 over this CPU's measured matmul peak (the faster of fp32 and bf16,
 :mod:`lit_grpo.model.hardware`); TRL does not time its passes apart, so it
@@ -39,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from vs_trl import Settings, run_child  # noqa: E402
 
 SHAPES = ("4x8x24", "1x8x256", "8x8x256")
+MAX_MICRO_BATCH = 32
+"""Rollouts of more rows train in micro-batches of half that, accumulated into one optimizer step (both systems)."""
 RUNS = (("lit_grpo", "float32"), ("lit_grpo", "bfloat16"), ("trl", "float32"), ("trl", "bfloat16"))
 
 
@@ -46,6 +50,8 @@ def settings_for(shape: str, steps: int, system: str, dtype: str) -> Settings:
     prompts, group_size, tokens = (int(x) for x in shape.split("x"))
     base = Settings(recipe=shape, prompts=prompts, group_size=group_size, max_new_tokens=tokens, steps=steps,
                     fixed_length=True)
+    if prompts * group_size > MAX_MICRO_BATCH:  # one pass over 64 rows of 256 tokens outgrows 24 GiB in fp32
+        base = replace(base, micro_batch=MAX_MICRO_BATCH // 2)
     return replace(base, lit_dtype=dtype) if system == "lit_grpo" else replace(base, trl_bf16=dtype == "bfloat16")
 
 

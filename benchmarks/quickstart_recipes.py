@@ -67,6 +67,9 @@ CANDIDATES: dict[str, list[str]] = {
                                 "--model.optimizer.init_args.lr=2e-4"],
     "mix3-ds-cos-4x8-lr2e-4-40ep": [MIX3, DYNAMIC, *COSINE, "--trainer.max_epochs=40",
                                     "--model.optimizer.init_args.lr=2e-4"],
+    # the default recipe with bf16 base weights and matmuls (docs/speed.md)
+    "mix3-ds-cos-4x8-lr2e-4-40ep-bf16": [MIX3, DYNAMIC, *COSINE, "--trainer.max_epochs=40",
+                                         "--model.optimizer.init_args.lr=2e-4", "--model.policy.dtype=bfloat16"],
 }
 
 

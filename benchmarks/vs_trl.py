@@ -80,6 +80,14 @@ class Settings:
     lit_skip_zero_gradient_rows: bool = True
     trl_bf16: bool = False
     fixed_length: bool = False  # every completion exactly max_new_tokens long (EOS ignored), on both sides
+    micro_batch: int | None = None  # rows per forward/backward; gradients of the rollout's micro-batches accumulate
+
+    @property
+    def micro_batches(self) -> int:
+        rows = self.micro_batch or self.rollout_size
+        if self.rollout_size % rows:
+            raise ValueError(f"micro_batch={rows} must divide the rollout's {self.rollout_size} rows")
+        return self.rollout_size // rows
 
     @property
     def rollout_size(self) -> int:
@@ -96,7 +104,7 @@ def lit_datamodule(s: Settings, cls=None):
                             ignore_eos=s.fixed_length)
     return (cls or OnPolicyDataModule)(
         source="arithmetic", task_args={"digits": 2, "ops": "+"}, train_size=max(64, s.prompts * s.steps),
-        val_size=1, prompts_per_epoch=s.prompts, batch_size=s.rollout_size, sampling=sampling,
+        val_size=1, prompts_per_epoch=s.prompts, batch_size=s.rollout_size // s.micro_batches, sampling=sampling,
         rewards=[Accuracy()], seed=s.seed,
     )
 
@@ -162,6 +170,7 @@ def run_lit(s: Settings) -> dict:
     with tempfile.TemporaryDirectory() as root:
         trainer = L.Trainer(
             accelerator="cpu", devices=1, max_epochs=s.steps, reload_dataloaders_every_n_epochs=1,
+            accumulate_grad_batches=s.micro_batches,
             limit_val_batches=0, num_sanity_val_steps=0, gradient_clip_val=s.max_grad_norm,
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             default_root_dir=root, callbacks=[timer],
@@ -199,7 +208,8 @@ def run_trl(s: Settings) -> dict:
     with tempfile.TemporaryDirectory() as root:
         config = GRPOConfig(
             output_dir=root, use_cpu=True, bf16=s.trl_bf16, seed=s.seed,
-            per_device_train_batch_size=s.rollout_size, gradient_accumulation_steps=1, steps_per_generation=1,
+            per_device_train_batch_size=s.rollout_size // s.micro_batches,
+            gradient_accumulation_steps=s.micro_batches, steps_per_generation=s.micro_batches,
             num_generations=s.group_size, max_completion_length=s.max_new_tokens, temperature=s.temperature,
             top_p=1.0, top_k=0, beta=s.beta, epsilon=s.epsilon, num_iterations=1, loss_type="grpo",
             scale_rewards="group", learning_rate=s.lr, lr_scheduler_type="constant", weight_decay=0.0,

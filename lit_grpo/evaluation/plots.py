@@ -59,6 +59,7 @@ PANELS: dict[str, Panel] = {
     "train/loss": Panel("loss", ("train/loss_epoch",)),
     "train/value_loss": Panel("critic's value loss (PPO)", ("train/value_loss",)),
     "time": Panel("seconds per epoch", ("time/*",)),
+    "perf/mfu": Panel("model FLOPs utilisation (training passes, rollout)", ("perf/mfu", "perf/rollout_mfu")),
 }
 
 
