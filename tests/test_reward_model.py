@@ -50,11 +50,14 @@ def test_last_token_index_is_transformers_rule():
     assert last_token_index(ids, None).tolist() == [4, 4, 4]
 
 
-def test_pair_scores_equal_a_full_pass_per_row_with_their_gradients(tiny_model_dir):
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_pair_scores_equal_a_full_pass_per_row_with_their_gradients(tiny_model_dir, checkpointed):
     # The shared-prefix pass the module trains with must score (and differentiate) exactly as the
     # one-pass rule the export and RewardModel use; replies of other lengths, one a prefix of the other.
+    # A checkpointed model (whose layers would drop the prefix cache) takes the full pass.
     torch.manual_seed(0)
-    module = RewardModelModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8)))
+    module = RewardModelModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8),
+                                                 gradient_checkpointing=checkpointed))
     module.configure_model()
     for p in module.trainable_parameters():  # a non-zero adapter, so that its gradients are not trivial
         p.data.normal_(0, 0.05)

@@ -174,7 +174,8 @@ def pair_scores(model: nn.Module, head: nn.Linear, input_ids: torch.Tensor, atte
     same = (input_ids[:B] == input_ids[B:]) & attention_mask[:B].bool() & attention_mask[B:].bool()  # [B, T]
     shared = same.int().cumprod(-1).sum(-1)  # [B] common prefix length
     shared = torch.minimum(shared, torch.minimum(lengths[:B], lengths[B:]) - 1).clamp(min=0)  # each keeps a token
-    if getattr(base, "is_gradient_checkpointing", False) or int(shared.max()) == 0:
+    checkpointed = any(getattr(m, "gradient_checkpointing", False) is True for m in base.modules())
+    if checkpointed or int(shared.max()) == 0:  # transformers drops the cache of a layer it checkpoints
         return backbone_scores(model, head, input_ids, attention_mask, pad_token_id)
     pad = pad_token_id if pad_token_id is not None else 0
     P, rows = int(shared.max()), torch.arange(2 * B, device=input_ids.device) % B  # rows: the pair of each row
