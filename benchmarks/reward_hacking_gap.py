@@ -30,14 +30,15 @@ def read(run: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-def held_out(rows: list[dict[str, str]]) -> dict[str, tuple[float, float]]:
-    """``metric -> (first value, last value)`` of every held-out accuracy."""
+def held_out(rows: list[dict[str, str]]) -> dict[str, tuple[float | None, float]]:
+    """``metric -> (first value, last value)`` of every held-out accuracy; the first is ``None``
+    when the run validated once (``--model.validate_before_training=false``: no "before")."""
     names = [k for k in rows[0] if k.startswith("val/") and k.endswith("accuracy")]
     out = {}
     for name in names:
         values = [float(r[name]) for r in rows if r.get(name)]
         if values:
-            out[name] = (values[0], values[-1])
+            out[name] = (values[0] if len(values) > 1 else None, values[-1])
     return out
 
 
@@ -45,10 +46,15 @@ def per_epoch(rows: list[dict[str, str]], name: str) -> dict[int, float]:
     return {int(r["epoch"]): float(r[name]) for r in rows if r.get(name) and r.get("epoch")}
 
 
-def _cell(values: list[float]) -> str:
+def _cell(values: list[float | None]) -> str:
+    """One value, or the mean ± sample std over seeds followed by each seed's value; "—" if none."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "—"
     if len(values) == 1:
         return f"{values[0]:.3f}"
-    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
+    each = ", ".join(f"{v:.3f}" for v in values)
+    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f} ({each})"
 
 
 def main(argv: list[str]) -> None:

@@ -6,7 +6,7 @@ step, the progress bar on), shrunk to 2 epochs of 2 optimizer steps. A kernel
 whose result depends on how threads split its work shows here and not on the
 tests' tiny models: one differing logit flips a sampled token and the runs part.
 The one found (the backward of the shared-prompt cache's row gather added rows
-with atomic float adds at 2 threads) is kept out by ``logprob_passes._cache_rows``.
+with atomic float adds at 2 threads) is kept out by ``logprob_passes.cache_rows``.
 """
 
 from __future__ import annotations

@@ -13,13 +13,13 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from lit_grpo.algorithms.grpo import GRPOModule
-from lit_grpo.algorithms.reward_model import RewardModelModule
+from lit_grpo.algorithms.reward_model import RewardModelModule, pair_scores
 from lit_grpo.data.preferences import PreferenceDataModule
 from lit_grpo.data.reward_pairs import RewardDataModule
 from lit_grpo.objectives import bradley_terry_loss
 from lit_grpo.model.policy import LoraSpec, PolicySpec
 from lit_grpo.rewards import Accuracy, RewardCombiner, RewardModel
-from lit_grpo.rewards.reward_model import last_token_index
+from lit_grpo.rewards.reward_model import backbone_scores, encode_conversations, last_token_index
 
 
 def trainer(**kwargs) -> L.Trainer:
@@ -48,6 +48,34 @@ def test_last_token_index_is_transformers_rule():
     ids = torch.tensor([[5, 6, 7, 0, 0], [0, 0, 5, 6, 7], [5, 0, 6, 0, 0]])  # right, left, pad inside
     assert last_token_index(ids, pad).tolist() == [2, 4, 2]
     assert last_token_index(ids, None).tolist() == [4, 4, 4]
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_pair_scores_equal_a_full_pass_per_row_with_their_gradients(tiny_model_dir, checkpointed):
+    # The shared-prefix pass the module trains with must score (and differentiate) exactly as the
+    # one-pass rule the export and RewardModel use; replies of other lengths, one a prefix of the other.
+    # A checkpointed model (whose layers would drop the prefix cache) takes the full pass.
+    torch.manual_seed(0)
+    module = RewardModelModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8),
+                                                 gradient_checkpointing=checkpointed))
+    module.configure_model()
+    for p in module.trainable_parameters():  # a non-zero adapter, so that its gradients are not trivial
+        p.data.normal_(0, 0.05)
+    pairs = [("What is 12 + 30?", "12 + 30 = 42", "12 + 30 = 43"), ("What is 7 + 8?", "15", "155"),
+             ("Hi there, how are you today?", "Fine, thanks.", "No")]
+    prompts, chosen, rejected = zip(*pairs)
+    ids, mask = encode_conversations(module.tokenizer, list(prompts) * 2, [*chosen, *rejected], None, None)
+    pad = module.tokenizer.pad_token_id
+    results = []
+    for scores in (pair_scores, backbone_scores):
+        module.zero_grad()
+        out = scores(module.policy, module.reward_head, ids, mask, pad)
+        (out * torch.arange(1.0, 7.0)).sum().backward()
+        results.append((out.detach(), [p.grad.clone() for p in module.trainable_parameters()]))
+    (shared, shared_grads), (full, full_grads) = results
+    torch.testing.assert_close(shared, full, atol=1e-5, rtol=1e-4)
+    for a, b in zip(shared_grads, full_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
 def test_equal_chosen_and_rejected_is_named(tmp_path):

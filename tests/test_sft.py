@@ -163,3 +163,26 @@ def test_tokenizer_without_chat_template_is_refused_at_setup(tiny_model_dir):
     module.tokenizer.chat_template = None
     with pytest.raises(ValueError, match="the tokenizer has no chat template, which SFT rows need"):
         attached(module, SFTDataModule(train_size=4, val_size=2))
+
+
+class _Modes(L.Callback):
+    """Records, at each training batch, the policy's modules that are in eval mode."""
+
+    def __init__(self) -> None:
+        self.eval_modules: list[list[str]] = []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        self.eval_modules.append([name for name, m in module.policy.named_modules() if not m.training])
+
+
+def test_training_runs_in_train_mode_also_when_resumed(tmp_path, tiny_model_dir):
+    # from_pretrained returns eval mode and Lightning keeps the modes it finds, so adapter dropout
+    # was off wherever nothing switched it on: a resumed run skips the "before" evaluation that did.
+    spec = PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8, dropout=0.1))
+    modes = _Modes()
+    for steps, resume in ((1, False), (2, True)):
+        module = SFTModule(policy=spec, progress=False)
+        data = SFTDataModule(train_size=8, val_size=4, batch_size=4, val_max_new_tokens=2)
+        fit = trainer(max_steps=steps, callbacks=[modes], enable_checkpointing=True, default_root_dir=tmp_path)
+        fit.fit(module, data, ckpt_path=str(next(tmp_path.rglob("*.ckpt"))) if resume else None)
+    assert modes.eval_modules == [[], []]

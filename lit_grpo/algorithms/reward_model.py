@@ -92,7 +92,9 @@ class RewardModelModule(SupervisedModule):
                                self.tokenizer.pad_token_id)
 
     def batch_loss(self, batch: dict) -> LossOutput:
-        chosen, rejected = self.scores(batch["input_ids"], batch["attention_mask"]).chunk(2)  # [B], [B]
+        scores = pair_scores(self.policy, self.reward_head, batch["input_ids"], batch["attention_mask"],
+                             self.tokenizer.pad_token_id)  # [2B], each pair's shared prefix run once
+        chosen, rejected = scores.chunk(2)  # [B], [B]
         return bradley_terry_loss(chosen, rejected)
 
     def batch_rows(self, batch: dict) -> int:
@@ -148,3 +150,50 @@ class RewardModelModule(SupervisedModule):
                              "'score' head; use the adapter + head export instead.")
         score.weight.copy_(head_weight.to(score.weight.dtype))
         return model
+
+
+def pair_scores(model: nn.Module, head: nn.Linear, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                pad_token_id: int | None) -> torch.Tensor:
+    """:func:`~lit_grpo.rewards.reward_model.backbone_scores` of B pairs, the tokens each pair shares run once.
+
+    ``input_ids``/``attention_mask`` ``[2B, T]`` are right-padded conversations, chosen first
+    (:class:`~lit_grpo.data.reward_pairs.RewardDataModule`). A pair's conversations agree up to
+    the reply's first differing token (system prompt, question, most of the reply), so their
+    common prefix runs once, left-padded, and only the two suffixes run on its key/value cache
+    (gradients sum back through it): the scores equal one full pass per row, for about half
+    the compute on the arithmetic pairs. A checkpointed model takes the full pass.
+    """
+    from transformers import DynamicCache
+
+    from lit_grpo.model.kv_cache import with_cache
+    from lit_grpo.model.logprob_passes import cache_rows
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    B = len(input_ids) // 2
+    lengths = attention_mask.sum(-1)  # [2B]
+    same = (input_ids[:B] == input_ids[B:]) & attention_mask[:B].bool() & attention_mask[B:].bool()  # [B, T]
+    shared = same.int().cumprod(-1).sum(-1)  # [B] common prefix length
+    shared = torch.minimum(shared, torch.minimum(lengths[:B], lengths[B:]) - 1).clamp(min=0)  # each keeps a token
+    checkpointed = any(getattr(m, "gradient_checkpointing", False) is True for m in base.modules())
+    if checkpointed or int(shared.max()) == 0:  # transformers drops the cache of a layer it checkpoints
+        return backbone_scores(model, head, input_ids, attention_mask, pad_token_id)
+    pad = pad_token_id if pad_token_id is not None else 0
+    P, rows = int(shared.max()), torch.arange(2 * B, device=input_ids.device) % B  # rows: the pair of each row
+    column = torch.arange(P, device=input_ids.device) - (P - shared)[:, None]  # [B, P] source column, < 0: padding
+    prefix_mask = (column >= 0).long()  # [B, P] left-padded
+    prefix_ids = input_ids[:B].gather(1, column.clamp(min=0)).masked_fill(column < 0, pad)  # [B, P]
+    cache = DynamicCache()
+    decoder = base.get_decoder()
+    decoder(input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=(prefix_mask.cumsum(-1) - 1).clamp(min=0),
+            **with_cache(cache), use_cache=True)
+    suffix_lengths = lengths - shared[rows]  # [2B], >= 1
+    S = int(suffix_lengths.max())
+    offsets = torch.arange(S, device=input_ids.device)  # [S]
+    source = (shared[rows][:, None] + offsets).clamp(max=input_ids.shape[1] - 1)  # [2B, S]
+    suffix_mask = (offsets < suffix_lengths[:, None]).long()  # [2B, S]
+    suffix_ids = input_ids.gather(1, source).masked_fill(suffix_mask == 0, pad)  # [2B, S]
+    hidden = decoder(input_ids=suffix_ids, attention_mask=torch.cat([prefix_mask[rows], suffix_mask], dim=1),
+                     position_ids=shared[rows][:, None] + offsets, **with_cache(cache_rows(cache, rows)),
+                     use_cache=True).last_hidden_state  # [2B, S, H]
+    last = hidden[torch.arange(2 * B, device=hidden.device), suffix_lengths - 1]  # [2B, H]
+    return head(last.to(head.weight.dtype)).squeeze(-1).float()  # [2B]

@@ -34,7 +34,7 @@ from lit_grpo.data.episodes import EpisodeSetup
 from lit_grpo.data.rollout_round import RolloutResult, collect_rollout
 from lit_grpo.data.setup_checks import check_prompt_budget, choose_estimator
 from lit_grpo.data.prompts import chat_prompts, check_prompt_lengths, columns_of
-from lit_grpo.data.sources import check_slices, held_out_slices, load_rows, rename_columns
+from lit_grpo.data.sources import check_slices, held_out_slices, load_rows, rename_columns, split_rows
 from lit_grpo.data.tasks import TooFewQuestions
 
 
@@ -181,24 +181,8 @@ class OnPolicyDataModule(L.LightningDataModule):
         if self.train_rows:
             return
         hp = self.hparams
-        columns = hp.columns or {}
-        try:
-            raw = load_rows(hp.source, hp.split, hp.task_args, hp.seed, hp.train_size + hp.val_size)
-        except TooFewQuestions as error:
-            raise ValueError(f"data.train_size={hp.train_size} + data.val_size={hp.val_size} rows asked of "
-                             f"data.source={hp.source!r}: {error} Lower data.train_size, or widen "
-                             "data.task_args (more digits or ops).") from None
-        rows = rename_columns(raw, columns, hp.source)
-        if hp.val_split is not None:
-            val = rename_columns(load_rows(hp.source, hp.val_split, None, hp.seed, None), columns, hp.source)
-            self.train_rows, self.val_rows = rows, val[: hp.val_size]
-        else:
-            if len(rows) <= hp.val_size:
-                raise ValueError(
-                    f"data.source={hp.source!r} has {len(rows)} rows, not enough to hold out "
-                    f"data.val_size={hp.val_size} for validation and still train."
-                )
-            self.train_rows, self.val_rows = rows[hp.val_size :], rows[: hp.val_size]
+        self.train_rows, self.val_rows = split_rows(self._load, hp.source, hp.split, hp.val_split, hp.train_size,
+                                                    hp.val_size)
         self.val_slices = held_out_slices(hp.source, hp.val_slices or {}, hp.task_args, hp.columns or {},
                                           hp.seed, hp.val_size, self.train_rows + self.val_rows)
         choose_estimator(self)  # first: a group size the estimator refuses also breaks the budget
@@ -210,6 +194,16 @@ class OnPolicyDataModule(L.LightningDataModule):
         check_prompt_lengths(self)
         if self.episodes is not None:
             self.episodes.check(self.train_rows + self.val_rows)
+
+    def _load(self, split: str, size: int) -> list[dict]:
+        hp = self.hparams
+        try:
+            raw = load_rows(hp.source, split, hp.task_args, hp.seed, size)
+        except TooFewQuestions as error:
+            raise ValueError(f"data.train_size={hp.train_size} + data.val_size={hp.val_size} rows asked of "
+                             f"data.source={hp.source!r}: {error} Lower data.train_size, or widen "
+                             "data.task_args (more digits or ops).") from None
+        return rename_columns(raw, hp.columns or {}, hp.source)
 
     def val_sets(self) -> dict[str, list[dict]]:
         """The held-out prompts by the metric their greedy accuracy is logged as."""

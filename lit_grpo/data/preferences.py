@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lit_grpo.data.prompts import chat_prompts
-from lit_grpo.data.sources import load_rows, rename_columns
+from lit_grpo.data.sources import load_rows, rename_columns, split_rows
 from lit_grpo.generation.rollout import encode_prompts
 
 _PAIR_COLUMNS = ("prompt", "chosen", "rejected")
@@ -95,17 +95,8 @@ class PreferenceDataModule(L.LightningDataModule):
         if self.train_rows:
             return
         hp = self.hparams
-        size = hp.train_size + (hp.val_size if hp.val_split is None else 0)
-        rows = self._load(hp.split, size)
-        if hp.val_split is not None:
-            self.train_rows, self.val_rows = rows, self._load(hp.val_split, hp.val_size)[: hp.val_size]
-            return
-        if len(rows) <= hp.val_size:
-            raise ValueError(
-                f"data.source={hp.source!r} has {len(rows)} rows, not enough to hold out "
-                f"data.val_size={hp.val_size} for validation and still train."
-            )
-        self.train_rows, self.val_rows = rows[hp.val_size :], rows[: hp.val_size]
+        self.train_rows, self.val_rows = split_rows(self._load, hp.source, hp.split, hp.val_split, hp.train_size,
+                                                    hp.val_size)
 
     def _load(self, split: str, size: int) -> list[dict]:
         hp = self.hparams

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 
 from lit_grpo.data.batches import ResumableBatches
 from lit_grpo.data.prompts import chat_prompts, columns_of
-from lit_grpo.data.sources import load_rows, rename_columns
+from lit_grpo.data.sources import load_rows, rename_columns, split_rows
 from lit_grpo.rewards import Accuracy, Reward
 
 
@@ -98,15 +98,8 @@ class SFTDataModule(ResumableBatches, L.LightningDataModule):
         if self.train_rows:
             return
         hp = self.hparams
-        size = hp.train_size + (hp.val_size if hp.val_split is None else 0)
-        rows = self._load(hp.split, size)
-        if hp.val_split is not None:
-            self.train_rows, self.val_rows = rows, self._load(hp.val_split, hp.val_size)[: hp.val_size]
-        elif len(rows) <= hp.val_size:
-            raise ValueError(f"data.source={hp.source!r} has {len(rows)} rows, not enough to hold out "
-                             f"data.val_size={hp.val_size} for validation and still train.")
-        else:
-            self.train_rows, self.val_rows = rows[hp.val_size :], rows[: hp.val_size]
+        self.train_rows, self.val_rows = split_rows(self._load, hp.source, hp.split, hp.val_split, hp.train_size,
+                                                    hp.val_size)
         if self.val_reward is None and "answer" in self.val_rows[0]:
             self.val_reward = Accuracy()
         if self.trainer is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import codecs
 import warnings
+from collections.abc import Callable
 from itertools import zip_longest
 from pathlib import Path
 
@@ -56,6 +57,32 @@ def load_rows(source: str, split: str, task_args: dict | list[dict] | None, seed
     else:
         dataset = _load_hub_dataset(source, split)
     return dataset.to_list()
+
+
+def split_rows(load: Callable[[str, int], list[dict]], source: str, split: str, val_split: str | None,
+               train_size: int, val_size: int) -> tuple[list[dict], list[dict]]:
+    """The training rows and the held-out rows of a DataModule (SFT, preferences, on-policy prompts).
+
+    Args:
+        load: ``(split, size) -> rows``: the DataModule's own loader (source, column map, checks);
+            ``size`` is how many rows a built-in task generates.
+        source: ``data.source``, named in the error.
+        split: The training split.
+        val_split: The held-out split, whose first ``val_size`` rows are held out; ``None``
+            holds out the first ``val_size`` rows of ``split`` instead (never trained on).
+        train_size: Rows a built-in task generates for training.
+        val_size: Held-out rows.
+
+    Raises:
+        ValueError: Without ``val_split``, ``split`` has no row left to train on.
+    """
+    if val_split is not None:
+        return load(split, train_size), load(val_split, val_size)[:val_size]
+    rows = load(split, train_size + val_size)
+    if len(rows) <= val_size:
+        raise ValueError(f"data.source={source!r} has {len(rows)} rows, not enough to hold out "
+                         f"data.val_size={val_size} for validation and still train.")
+    return rows[val_size:], rows[:val_size]
 
 
 def mixed_task(source: str, mix: list[dict], seed: int, size: int) -> list[dict]:

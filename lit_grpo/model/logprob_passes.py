@@ -231,7 +231,7 @@ def _shared_prompt_logits(model, prompts, inverse, prompt_mask, completion_ids, 
                     input_ids=completion_ids[rows, :width],
                     attention_mask=torch.cat([prompt_mask[rows], completion_mask[rows, :width]], dim=1),
                     position_ids=prompt_mask[rows].sum(-1, keepdim=True) + torch.arange(width, device=rows.device),
-                    **with_cache(_cache_rows(cache, inverse[rows])),  # backward sums over each prompt's rows
+                    **with_cache(cache_rows(cache, inverse[rows])),  # backward sums over each prompt's rows
                     use_cache=True,
                     logits_to_keep=_positions(0, width - 1, rows.device),
                 ).logits))  # [n, width - 1, V]
@@ -271,7 +271,7 @@ def length_buckets(lengths: torch.Tensor, max_buckets: int = 4) -> list[torch.Te
     return [order[start:stop] for start, stop in reversed(bounds)]
 
 
-def _cache_rows(cache, rows: torch.Tensor):
+def cache_rows(cache, rows: torch.Tensor):
     """A read-only cache holding ``rows`` of ``cache`` (which stays as it is).
 
     A pass reads the prompt's keys/values from it and appends nothing, so a

@@ -409,4 +409,6 @@ def build_policy(
     if spec.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         policy.config.use_cache = False
-    return policy, reference
+    # from_pretrained returns eval mode and Lightning (>= 2.2) trains modules in the mode it finds them,
+    # so without this a run would train with adapter dropout off (every module: SFT, RM, DPO, RL).
+    return policy.train(), reference
