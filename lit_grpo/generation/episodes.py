@@ -6,8 +6,8 @@ sampled (an assistant turn), then what its tools returned, for up to
 ``stop`` text (``</tool_call>``); the turn's calls are parsed and run, their
 results are rendered by the chat template (:meth:`CallFormat.results_text`:
 tool messages, then the next assistant header, then ``turn_prefix``) and
-appended as tokens the policy did not sample, and the model goes on. The episode ends on a turn
-without a call, at ``max_turns``, when the policy has sampled
+appended as tokens the policy did not sample, and the model goes on. The
+episode ends on a turn without a call, at ``max_turns``, when the policy has sampled
 ``sampling.max_new_tokens`` tokens (the model-token budget), or when the
 trajectory reaches ``max_episode_tokens`` (every token after the prompt).
 
