@@ -152,6 +152,16 @@ def test_prompt_and_completion_longer_than_the_model_context(module):
         set_up(data(sampling=SamplingSpec(group_size=4, max_new_tokens=500)), module)
 
 
+def test_prompt_and_episode_longer_than_the_model_context(module):
+    # Few model tokens, but an episode (the tools' tokens too) may run to 500 tokens after the prompt.
+    episodes = dict(tools=["lit_grpo.environments.builtin.calculator"], max_prompt_length=None)
+    with pytest.raises(ValueError, match=r"split 'train' row 4: the prompt has \d+ tokens \(chat template included\), "
+                                         r"\d+ with data.max_episode_tokens=500, more than the model's context of 512"
+                                         r".*lower data.max_episode_tokens, or set data.max_prompt_length=12 with"):
+        set_up(data(max_episode_tokens=500, **episodes), module)
+    set_up(data(max_episode_tokens=40, **episodes), module)  # prompt + 40 fit
+
+
 def test_prompt_longer_than_max_prompt_length_is_refused(module):
     with pytest.raises(ValueError, match=r"tokens > data.max_prompt_length=8; raise the limit or set "
                                          r"data.prompt_overflow='truncate'"):

@@ -132,6 +132,48 @@ def test_max_turns_and_the_trajectory_cap_end_runaway_episodes(tiny):
     assert short.episodes[0].budget_cut and bool(short.truncated[0])
 
 
+TURN_PREFIX = "<next>call("
+
+
+def test_a_turn_prefix_follows_each_tool_result_read_by_the_policy_and_never_trained_on(tiny):
+    model, tokenizer = tiny
+    policy = lora(model).eval()
+    ids, mask = prompts(tokenizer)
+    fmt = Scripted(" ")  # about half the random model's tokens hold a space: most turns call
+    episodes = EpisodeSpec([Toolbox([echo])] * 2, fmt, max_turns=3, max_episode_tokens=90, turn_prefix=TURN_PREFIX)
+    episode = generate(policy, tokenizer, ids, mask, SamplingSpec(max_new_tokens=24), greedy=True, episodes=episodes)
+    record = episode.episodes[0]
+    assert record.tool_calls >= 2, record.tool_calls  # at least two later turns
+    # Each tool result is followed by the prefix, tokenized with it, as tokens the policy did not sample.
+    queued = tokenizer(fmt.results_text(tokenizer, [ToolResult("echo", "echo hi")]) + TURN_PREFIX,
+                       add_special_tokens=False)["input_ids"]
+    model_mask, attention = episode.completion_mask[0], episode.completion_attention[0]
+    real = int(attention.sum())
+    flips = torch.nonzero(model_mask[1:real] != model_mask[: real - 1]).flatten() + 1
+    starts = [int(i) for i in flips if model_mask[i] == 0]  # where each run of tool tokens starts
+    assert len(starts) == record.tool_calls
+    for start in starts:
+        assert episode.completion_ids[0, start : start + len(queued)].tolist() == queued
+        assert model_mask[start : start + len(queued)].sum() == 0 and bool(model_mask[start + len(queued)])
+    # Each later turn's text (what calls are parsed from, what rewards read) starts with it, the first does not.
+    turns = [m["content"] for m in record.messages if m["role"] == "assistant"]
+    assert not turns[0].startswith(TURN_PREFIX) and all(t.startswith(TURN_PREFIX) for t in turns[1:])
+    assert len(turns) == record.tool_calls + 1
+    # The passes attend to the prefix (the log-probs equal a re-read of the whole row); its gradient is exactly zero.
+    policy.train()
+    logprobs, _ = completion_logprobs(policy, episode.prompt_ids, episode.prompt_mask, episode.completion_ids,
+                                      episode.completion_mask, 1.0, completion_attention=episode.completion_attention)
+    with torch.no_grad():
+        expected = reference_logprobs(policy, episode.prompt_ids, episode.prompt_mask, episode.completion_ids,
+                                      episode.completion_attention)
+    attended = episode.completion_attention.bool()
+    assert torch.allclose(logprobs[attended], expected[attended], atol=1e-5)
+    logprobs.retain_grad()
+    grpo_loss(logprobs, logprobs.detach(), torch.tensor([1.0, -1.0]), episode.completion_mask, beta=0.0).loss.backward()
+    assert torch.all(logprobs.grad[0, starts[0] : starts[0] + len(queued)] == 0)
+    assert torch.all(logprobs.grad[episode.completion_mask == 1] != 0)
+
+
 def trajectory(tokenizer):
     """Two rows of one prompt (a group) and a third prompt: model, tool, model tokens, then padding."""
     ids, mask = encode_prompts(tokenizer, ["What is 3 + 4?", "What is 3 + 4?", "Name a colour."], None)

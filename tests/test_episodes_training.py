@@ -144,11 +144,17 @@ class Guesses(Scripted):
 def test_an_environment_per_episode_owns_the_reward_and_its_reset_joins_the_prompt(tmp_path, tiny_model_dir):
     module, data = make(tiny_model_dir, fmt=Guesses(" "), source="guess_number", task_args={"low": 1, "high": 10},
                         environment={"class_path": "lit_grpo.environments.builtin.GuessNumber",
-                                     "init_args": {"max_guesses": 2}}, rewards=[], max_turns=3, max_episode_tokens=60)
+                                     "init_args": {"max_guesses": 2}}, rewards=[], max_turns=3, max_episode_tokens=60,
+                        turn_prefix="guess(")
     trainer = fit(tmp_path, module, data, epochs=1)
     assert "reward/environment" in trainer.callback_metrics
     assert "Call the guess tool" in data.format_prompts(data.train_rows[:1])[0]
     turns = [m for sample in data.last_result.samples for m in sample[3] if m["role"] == "tool"]
     assert turns and all(m["content"].startswith(("higher", "lower", "correct", "No guesses")) for m in turns)
+    later = [m for sample in data.last_result.samples for before, m in zip(sample[3], sample[3][1:])
+             if before["role"] == "tool"]  # data.turn_prefix opens every turn after a tool result
+    assert later and all(m["role"] == "assistant" and m["content"].startswith("guess(") for m in later)
+    with pytest.raises(ValueError, match=r"data.turn_prefix='guess\(' without data.tools or data.environment"):
+        OnPolicyDataModule(turn_prefix="guess(")
     with pytest.raises(ValueError, match="data.rewards is empty and data.environment has no get_reward"):
         OnPolicyDataModule(tools=[CALCULATOR], rewards=[])

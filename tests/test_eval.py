@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lit_grpo.algorithms.grpo import GRPOModule
+from lit_grpo.data.sources import load_rows
 from lit_grpo.evaluation.evaluate import main, pass_at_k
 from lit_grpo.model.policy import LoraSpec, PolicySpec
 
@@ -64,3 +65,32 @@ def test_eval_runs_the_episodes_and_reports_tool_use(tiny_model_dir, tmp_path, m
                             "--data.max_prompt_length=400"))
     assert result["turns_mean"] == 1.0 and result["tool_calls"] == 0.0  # a random model never calls
     assert "tool_calls" in capsys.readouterr().out.splitlines()[0]
+
+
+class SecretScore:
+    """An environment that scores each episode by its row's secret: above 0 for secrets above 5."""
+
+    def reset(self, **row) -> None:
+        self.secret = row["secret"]
+
+    def guess(self, number: int) -> str:
+        """Guesses the secret.
+
+        Args:
+            number: The guess.
+        """
+        return "no"
+
+    def get_reward(self) -> float:
+        return float(self.secret - 5)
+
+
+def test_eval_reports_what_the_environment_scored(tiny_model_dir, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(__import__("os").path.dirname(__file__))
+    result = main(eval_args(tiny_model_dir, "--data.source=guess_number", '--data.environment={"class_path": '
+                            '"test_eval.SecretScore"}', "--data.rewards=[]", "--data.max_prompt_length=400"))
+    secrets = [row["secret"] for row in load_rows("guess_number", "train", None, 0, 12)[:4]]  # the val rows
+    assert len(set(s > 5 for s in secrets)) == 2  # both kinds, so the share is neither 0 nor 1
+    assert result["env_reward"] == pytest.approx(sum(s - 5 for s in secrets) / 4)
+    assert result["env_success"] == pytest.approx(sum(s > 5 for s in secrets) / 4)
+    assert "env_success" in capsys.readouterr().out.splitlines()[0]

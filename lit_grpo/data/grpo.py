@@ -105,6 +105,10 @@ class OnPolicyDataModule(L.LightningDataModule):
         max_episode_tokens: Most tokens after the prompt, the model's and the
             tools' (``sampling.max_new_tokens`` counts the model's only);
             ``None``: twice ``sampling.max_new_tokens``.
+        turn_prefix: Text every assistant turn after a tool result starts
+            with, as ``completion_prefix`` is for the first (for example the
+            call's first words, so that later turns call too): appended to the
+            tool results as tokens the policy reads and is not trained on.
         environment_reward_weight: Weight of the environment's ``get_reward()``.
     """
 
@@ -141,6 +145,7 @@ class OnPolicyDataModule(L.LightningDataModule):
         max_turns: int = 3,
         tool_timeout: float = 10.0,
         max_episode_tokens: int | None = None,
+        turn_prefix: str = "",
         environment_reward_weight: float = 1.0,
     ) -> None:
         super().__init__()
@@ -173,6 +178,9 @@ class OnPolicyDataModule(L.LightningDataModule):
                 raise ValueError(f"data.max_episode_tokens={cap} < sampling.max_new_tokens="
                                  f"{self.sampling.max_new_tokens}; expected a cap on the whole episode.")
             self.episodes = EpisodeSetup(tools, environment, max_turns, tool_timeout, cap)
+        elif turn_prefix:
+            raise ValueError(f"data.turn_prefix={turn_prefix!r} without data.tools or data.environment; "
+                             "expected episodes (its text starts each turn after a tool result).")
         self.rewards = (RewardCombiner(rewards) if self.episodes is None
                         else self.episodes.rewards(rewards, environment_reward_weight))
 
@@ -340,10 +348,12 @@ class OnPolicyDataModule(L.LightningDataModule):
 
     def collate_val(self, rows: list[dict]) -> dict:
         """Tokenize validation rows: ``{prompt_ids, prompt_mask, rows}`` (and ``episodes``, their
-        :class:`~lit_grpo.generation.episodes.EpisodeSpec`, when tools are configured)."""
+        :class:`~lit_grpo.generation.episodes.EpisodeSpec`, and ``environments``, each episode's
+        environment or ``None``, when tools are configured)."""
         if self.episodes is not None:
-            prompt_ids, prompt_mask, spec, _ = self.episodes.start(self, rows, 1)
-            return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "rows": rows, "episodes": spec}
+            prompt_ids, prompt_mask, spec, environments = self.episodes.start(self, rows, 1)
+            return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "rows": rows, "episodes": spec,
+                    "environments": environments}
         prompt_ids, prompt_mask = self.encode(rows)
         return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "rows": rows}
 

@@ -32,9 +32,10 @@ def check_prompt_lengths(data) -> None:
     :class:`OnPolicyDataModule` once, at set-up, so that a prompt that is too long
     (or a tokenizer without a chat template) fails before any sampling, not in the
     epoch that first draws it. Too long is longer than max_prompt_length, or than
-    the model's context less sampling.max_new_tokens: past its context a model
-    samples for minutes, then garbage. (``val_slices`` are built-in tasks' short
-    questions, of the training prompts' form.)"""
+    the model's context less what may follow the prompt (sampling.max_new_tokens,
+    or with tools data.max_episode_tokens, the tools' tokens included): past its
+    context a model samples for minutes, then garbage. (``val_slices`` are
+    built-in tasks' short questions, of the training prompts' form.)"""
     from lit_grpo.model.policy import PolicySpec, context_length
 
     module = data.trainer.lightning_module if data.trainer else None
@@ -42,7 +43,10 @@ def check_prompt_lengths(data) -> None:
         return
     spec = getattr(module, "spec", None)
     context = context_length(spec) if isinstance(spec, PolicySpec) else None
-    budget = None if context is None else context - data.sampling.max_new_tokens
+    after, field = data.sampling.max_new_tokens, "sampling.max_new_tokens"
+    if data.episodes is not None:  # an episode's tokens after the prompt, the tools' included
+        after, field = data.episodes.max_episode_tokens, "data.max_episode_tokens"
+    budget = None if context is None else context - after
     hp, rows, n_train = data.hparams, data.train_rows + data.val_rows, len(data.train_rows)
     for start in range(0, len(rows), 512):
         lengths = data.encode(rows[start : start + 512])[1].sum(1).tolist()  # prompt tokens per row
@@ -54,10 +58,9 @@ def check_prompt_lengths(data) -> None:
             row = (i + (hp.val_size if hp.val_split is None else 0)) if i < n_train else i - n_train
             raise ValueError(
                 f"data.source={hp.source!r} split {split!r} row {row}: the prompt has {n} tokens "
-                f"(chat template included), {n + data.sampling.max_new_tokens} with "
-                f"sampling.max_new_tokens={data.sampling.max_new_tokens}, more than the model's context "
-                f"of {context} (policy.name_or_path={spec.name_or_path!r}); shorten or drop the row, "
-                f"lower sampling.max_new_tokens, or set data.max_prompt_length={max(budget, 1)} "
+                f"(chat template included), {n + after} with {field}={after}, more than the model's "
+                f"context of {context} (policy.name_or_path={spec.name_or_path!r}); shorten or drop the "
+                f"row, lower {field}, or set data.max_prompt_length={max(budget, 1)} "
                 "with data.prompt_overflow='truncate'."
             )
 

@@ -11,7 +11,11 @@ adapter a run exported, and scores with the run's own validation reward:
   with ``c`` correct answers out of ``n``, averaged over prompts.
 * with tools or an environment (``data.tools``, ``data.environment``): the
   same episodes training runs, and beside the accuracy the greedy episodes'
-  tool use (``tool_calls``, ``tool_errors`` per episode, ``turns_mean``).
+  tool use (``tool_calls``, ``tool_errors`` per episode, ``turns_mean``), and
+  with an environment that scores its episodes (``get_reward``) their mean
+  reward (``env_reward``) and the share of episodes it rewarded above 0
+  (``env_success``: for :class:`~lit_grpo.environments.builtin.GuessNumber`,
+  games won within ``max_guesses``).
 
 It prints a table row for the validation prompts and one per ``data.val_slices``
 slice and, with ``--out``, writes the figures as JSON (the slices' under ``slices``).
@@ -30,9 +34,13 @@ from lightning.pytorch.cli import LightningCLI
 from tqdm.auto import tqdm
 
 from lit_grpo.algorithms.grpo import GRPOModule
+from lit_grpo.data.episodes import environment_rewards
 from lit_grpo.data.grpo import OnPolicyDataModule
 from lit_grpo.generation.episodes import episode_stats
 from lit_grpo.model.policy import LoraSpec
+
+# The greedy episodes' tool use, reported beside the accuracy.
+EPISODE_COLUMNS = ("tool_calls", "tool_errors", "turns_mean")
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:
@@ -77,7 +85,9 @@ def evaluate(module: GRPOModule, datamodule: OnPolicyDataModule, samples: int, p
     module and DataModule."""
     rows = datamodule.val_rows if rows is None else rows
     size = datamodule.hparams.val_batch_size
-    greedy, passes, records = [], {k: [] for k in pass_k}, []
+    greedy, passes, records, env_rewards = [], {k: [] for k in pass_k}, [], []
+    factory = datamodule.episodes.factory if datamodule.episodes is not None else None
+    scored = factory is not None and factory.has_reward  # an environment that scores its episodes
     sampling = datamodule.sampling
     bar = tqdm(total=len(rows), desc="eval", unit="prompt", disable=not progress, dynamic_ncols=True)
     module.eval()
@@ -89,6 +99,8 @@ def evaluate(module: GRPOModule, datamodule: OnPolicyDataModule, samples: int, p
                                              episodes=batch.get("episodes"))
             greedy += datamodule.score_validation(batch["rows"], answers.texts).tolist()
             records += answers.episodes or []
+            if scored:
+                env_rewards += environment_rewards(batch["environments"])
             if samples:
                 episodes = None
                 if datamodule.episodes is not None:  # a fresh environment per sampled episode
@@ -105,7 +117,10 @@ def evaluate(module: GRPOModule, datamodule: OnPolicyDataModule, samples: int, p
     result.update({f"pass@{k}": sum(values) / len(values) for k, values in passes.items()})
     if records:
         stats = episode_stats(records)
-        result.update({name: stats[f"episode/{name}"] for name in ("tool_calls", "tool_errors", "turns_mean")})
+        result.update({name: stats[f"episode/{name}"] for name in EPISODE_COLUMNS})
+    if env_rewards:
+        result.update({"env_reward": sum(env_rewards) / len(env_rewards),
+                       "env_success": sum(r > 0 for r in env_rewards) / len(env_rewards)})
     return result
 
 
@@ -164,7 +179,7 @@ def table(result: dict) -> str:
     """The figures as a Markdown table: the validation prompts' row, then one per ``data.val_slices`` slice."""
     sets = {"validation": result, **result.get("slices", {})}
     columns = ["prompts", "greedy_accuracy", *[k for k in result if k.startswith("pass@")],
-               *[k for k in ("tool_calls", "tool_errors", "turns_mean") if k in result]]
+               *[k for k in (*EPISODE_COLUMNS, "env_reward", "env_success") if k in result]]
     header = ["model", "adapter", "set", *columns]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, figures in sets.items():

@@ -5,9 +5,9 @@ sampled (an assistant turn), then what its tools returned, for up to
 ``max_turns`` assistant turns. A turn ends at EOS, or at the call format's
 ``stop`` text (``</tool_call>``); the turn's calls are parsed and run, their
 results are rendered by the chat template (:meth:`CallFormat.results_text`:
-tool messages, then the next assistant header) and appended as tokens the
-policy did not sample, and the model goes on. The episode ends on a turn
-without a call, at ``max_turns``, when the policy has sampled
+tool messages, then the next assistant header, then ``turn_prefix``) and
+appended as tokens the policy did not sample, and the model goes on. The
+episode ends on a turn without a call, at ``max_turns``, when the policy has sampled
 ``sampling.max_new_tokens`` tokens (the model-token budget), or when the
 trajectory reaches ``max_episode_tokens`` (every token after the prompt).
 
@@ -54,6 +54,10 @@ class EpisodeSpec:
         max_episode_tokens: Most tokens after the prompt, the policy's and the tools'.
         prefix: Text the reply starts with, already in the prompt
             (``data.completion_prefix``): the first turn's text begins with it.
+        turn_prefix: Text every later turn starts with (``data.turn_prefix``):
+            queued after the tool results, tokenized with them, as tokens the
+            policy reads but did not sample (masked out of the loss like the
+            results); the turn's text begins with it.
     """
 
     toolboxes: list[Toolbox]
@@ -61,6 +65,7 @@ class EpisodeSpec:
     max_turns: int
     max_episode_tokens: int
     prefix: str = ""
+    turn_prefix: str = ""
 
 
 @dataclass
@@ -130,8 +135,8 @@ class Episodes:
             return EOS
         start = max(self.turn_start[row], len(self.tokens[row]) - self.stop_window)
         tail = self.tokenizer.decode(self.tokens[row][start:])
-        if self.turn_start[row] == 0 and start == 0:
-            tail = self.spec.prefix + tail
+        if start == self.turn_start[row]:
+            tail = self._prefix(row) + tail
         if self.spec.call_format.stop in tail:
             return CALL
         return BUDGET if self.room(row) <= 0 else None
@@ -178,7 +183,7 @@ class Episodes:
         record.tool_timeouts += sum(r.timed_out for r in results)
         record.tool_seconds += sum(r.seconds for r in results)
         record.messages += [{"role": "tool", "name": r.name, "content": r.content} for r in results]
-        text = self.spec.call_format.results_text(self.tokenizer, results)
+        text = self.spec.call_format.results_text(self.tokenizer, results) + self.spec.turn_prefix
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         self.queue[row].extend(ids[: self.width - len(self.tokens[row])])
         if not self.queue[row]:
@@ -192,8 +197,11 @@ class Episodes:
     def _turn_text(self, row: int) -> str:
         start = self.turn_start[row]
         turn = [t for t, s in zip(self.tokens[row][start:], self.sampled[row][start:]) if s]
-        text = self.tokenizer.decode(turn, skip_special_tokens=True)
-        return self.spec.prefix + text if start == 0 else text
+        return self._prefix(row) + self.tokenizer.decode(turn, skip_special_tokens=True)
+
+    def _prefix(self, row: int) -> str:
+        """The text ``row``'s current turn starts with, not sampled: the reply's or a later turn's prefix."""
+        return self.spec.prefix if self.turn_start[row] == 0 else self.spec.turn_prefix
 
     def rollout(self, prompt_ids, prompt_mask, repeat: int, greedy: bool, seconds: float) -> Rollout:
         """The finished episodes as a :class:`Rollout` (``completion_attention`` and ``episodes`` set).
