@@ -8,5 +8,6 @@ models of real shapes, with a tokenizer built in code; :mod:`~lit_grpo.model.ada
 which of several LoRA adapters on one frozen base runs; :mod:`~lit_grpo.model.refusals`: a
 third-party constructor's refusal, reported against the config field that carried the value;
 :mod:`~lit_grpo.model.kv_cache`: handing our KV cache to a transformers model under the name its
-version reads.
+version reads; :mod:`~lit_grpo.model.hardware`: the device's peak matmul rate and the dtype
+``policy.dtype: auto`` picks.
 """

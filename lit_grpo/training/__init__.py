@@ -7,5 +7,5 @@ guards that end a multi-process run instead of leaving it idle;
 :mod:`~lit_grpo.training.strategies`: which Lightning strategies lit_grpo trains under, checked
 before any weights load; :mod:`~lit_grpo.training.guard`: skipping optimizer steps whose gradient is
 not finite, and stopping if it persists; :mod:`~lit_grpo.training.host_memory`: giving freed host
-memory back to the OS.
+memory back to the OS; :mod:`~lit_grpo.training.throughput`: the model FLOPs behind ``perf/mfu``.
 """
