@@ -80,6 +80,7 @@ def test_qlora_step_trains_the_adapter_and_the_reference_is_the_4bit_base(model_
         assert torch.equal(after[name], packed), name
 
     base = load_base_model(spec)  # a fresh 4-bit base, no adapter at all
+    policy.eval()  # as PolicyModule.reference_model scores it (bitsandbytes' CPU kernels differ by mode)
     with policy.disable_adapter():
         reference_logprobs = _logprobs(policy, batch)
     torch.testing.assert_close(reference_logprobs, _logprobs(base, batch), rtol=0, atol=0)
