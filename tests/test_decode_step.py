@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -10,7 +12,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCau
 
 from lit_grpo.generation.decode_step import LlamaStep, Matmul, ModelStep, can_pack, llama_step_applies
 from lit_grpo.model.kv_cache import with_cache
-from lit_grpo.generation.merged import MergedPolicy
+from lit_grpo.generation.merged import LowRankLinear, MergedPolicy, low_rank_layers
 
 SIZES = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128)
@@ -78,6 +80,62 @@ def test_the_merged_skeleton_takes_the_llama_step():
     policy = get_peft_model(build(LlamaConfig, LlamaForCausalLM), LoraConfig(r=2, target_modules="all-linear"))
     with MergedPolicy(policy)(policy) as plain:
         assert llama_step_applies(plain, 100)
+
+
+def bf16_lora(update: float):
+    """A bf16 Llama with an fp32 LoRA adapter whose update is ``update``-sized (a bf16 policy)."""
+    policy = get_peft_model(build(LlamaConfig, LlamaForCausalLM).to(torch.bfloat16),
+                            LoraConfig(r=2, target_modules="all-linear"))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_" in name:
+                p.data = p.data.float()
+            if "lora_B" in name:
+                p.normal_(0, update, generator=generator)
+    return policy
+
+
+def test_a_bf16_copy_keeps_the_adapter_update_apart_instead_of_rounding_it_away():
+    policy = bf16_lora(1e-3)
+    assert len(low_rank_layers(policy, None)) == 14  # 7 projections x 2 layers: bf16 weights, fp32 adapter
+    fp32 = get_peft_model(build(LlamaConfig, LlamaForCausalLM), LoraConfig(r=2, target_modules="all-linear"))
+    assert low_rank_layers(fp32, None) == {}  # fp32 weights take the update exactly: merged as before
+    assert len(low_rank_layers(fp32, torch.bfloat16)) == 14  # a bf16 decoding copy of an fp32 policy
+    ids, mask = left_padded()
+    with torch.no_grad():
+        expected = policy(input_ids=ids, attention_mask=mask).logits.float()
+        with policy.disable_adapter():
+            base = policy(input_ids=ids, attention_mask=mask).logits.float()
+        folded = copy.deepcopy(policy).merge_and_unload()  # W + delta rounded to bf16
+        folded_error = (folded(input_ids=ids, attention_mask=mask).logits.float() - expected).abs().max()
+        with MergedPolicy(policy)(policy) as plain:
+            assert sum(isinstance(m, LowRankLinear) for m in plain.modules()) == 14
+            assert llama_step_applies(plain, 100)
+            error = (plain(input_ids=ids, attention_mask=mask).logits.float() - expected).abs().max()
+    assert (expected - base).abs().max() > 0 and folded_error > 0
+    assert error <= folded_error / 10  # peft's own arithmetic: bf16 base output + fp32 update, rounded once
+
+
+@pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.bfloat16), reason="this CPU cannot pack bf16 weights")
+def test_matmul_adds_a_low_rank_update_too_small_for_the_bf16_weights():
+    torch.manual_seed(0)
+    layers = []
+    for out in (40, 8):
+        linear = torch.nn.Linear(24, out, bias=False).to(torch.bfloat16)
+        layer = LowRankLinear(linear, 2, torch.float32)
+        layer.down = torch.nn.Parameter(torch.randn(2, 24), requires_grad=False)
+        layer.up = torch.nn.Parameter(torch.randn(out, 2) * 1e-4, requires_grad=False)  # a few ulps of W at most
+        layers.append(layer)
+    layers.append(torch.nn.Linear(24, 16, bias=True).to(torch.bfloat16))  # a plain layer in the same group
+    x = torch.randn(8, 24).to(torch.bfloat16)
+    with torch.no_grad():
+        expected = torch.cat([m(x) for m in layers], -1).float()
+        plain = torch.cat([torch.nn.functional.linear(x, m.weight, m.bias) for m in layers], -1).float()
+        got = Matmul(*layers)(x).float()
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max() < (plain - expected).abs().max() / 4  # the update is there
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-3)
 
 
 def test_matmul_fuses_and_packs_linear_layers():

@@ -135,7 +135,9 @@ def test_merged_policy_decodes_like_the_adapter_and_frees_its_weights(tiny):
     with merged(policy) as plain:
         assert generate(plain, tokenizer, ids, mask, SamplingSpec(max_new_tokens=6), greedy=True).texts == sampled.texts
     with MergedPolicy(policy, torch.bfloat16)(policy) as half:
-        assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+        factors = {name for name in dict(half.named_parameters()) if name.endswith((".down", ".up"))}
+        assert factors  # the adapter's update stays apart in its fp32 factors (too small to fold into bf16)
+        assert {p.dtype for name, p in half.named_parameters() if name not in factors} == {torch.bfloat16}
         assert half(input_ids=ids, attention_mask=mask).logits.isfinite().all()
 
 

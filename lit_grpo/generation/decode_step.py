@@ -37,6 +37,7 @@ import functools
 import torch
 from torch import Tensor, nn
 
+from lit_grpo.generation.merged import LowRankLinear
 from lit_grpo.model.kv_cache import with_cache
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
@@ -74,25 +75,49 @@ class Matmul:
     of a copy) and multiplied by oneDNN's matmul kernel (CPU only, see
     :func:`can_pack`).
 
+    A :class:`~lit_grpo.generation.merged.LowRankLinear` among ``linears``
+    brings its update ``up @ down``: the group's ``down`` rows join the packed
+    weight (one matmul yields the outputs and the rank-space activations) and
+    a second packed matmul applies the stacked, block-diagonal ``up``, added
+    to the outputs. In bf16 that rounds the update relative to itself, never
+    to ``W``, which is what merging would lose.
+
     Args:
         linears: Layers that read the same input; their outputs are concatenated.
         dtype: The dtype to pack and multiply in (inputs are cast to it); the
             weights' own by default.
     """
 
-    def __init__(self, *linears: nn.Linear, dtype: torch.dtype | None = None) -> None:
-        weight = torch.cat([m.weight for m in linears]) if len(linears) > 1 else linears[0].weight
-        self.dtype = dtype or weight.dtype
+    def __init__(self, *linears: nn.Module, dtype: torch.dtype | None = None) -> None:
+        weights = [m.weight for m in linears]
+        self.width = sum(len(w) for w in weights)  # outputs; rank-space activations follow them
+        self.dtype = dtype or weights[0].dtype
+        ranked = [m for m in linears if isinstance(m, LowRankLinear)]
+        self.up = None
+        if ranked:
+            weights += [m.down for m in ranked]
+            blocks = [m.up if isinstance(m, LowRankLinear) else m.weight.new_zeros(m.out_features, 0)
+                      for m in linears]
+            self.up = _pack(torch.block_diag(*blocks), self.dtype)  # [width, rank]
         biases = [m.bias for m in linears]
         if any(b is not None for b in biases):
             biases = [m.weight.new_zeros(len(m.weight)) if b is None else b for m, b in zip(linears, biases)]
+            biases += [m.down.new_zeros(len(m.down)) for m in ranked]
             self.bias = torch.cat(biases).detach().to(self.dtype)
         else:
             self.bias = None
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(self.dtype).contiguous())
+        self.weight = _pack(torch.cat(weights) if len(weights) > 1 else weights[0], self.dtype)
 
     def __call__(self, x: Tensor) -> Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.weight, self.bias, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.weight, self.bias, "none", [], "")
+        if self.up is None:
+            return out
+        low = torch.ops.mkldnn._linear_pointwise(out[..., self.width:], self.up, None, "none", [], "")
+        return out[..., :self.width] + low
+
+
+def _pack(weight: Tensor, dtype: torch.dtype) -> Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous())
 
 
 def step_dtype(weight: Tensor) -> torch.dtype:
@@ -193,8 +218,9 @@ def llama_step_applies(model: nn.Module, length: int) -> bool:
 
     A plain Llama-family model (``config.model_type`` in :data:`LLAMA_FAMILY`)
     attending to all ``length`` tokens (no shorter sliding window), whose
-    projections and head are plain linear layers (an adapter, 4-bit layers or
-    FSDP shards keep the model's own forward), on a CPU where its weights can
+    projections and head are plain linear layers or a merged copy's
+    :class:`~lit_grpo.generation.merged.LowRankLinear` (an adapter, 4-bit
+    layers or FSDP shards keep the model's own forward), on a CPU where its weights can
     be packed in the dtype the step multiplies in (:func:`can_pack`,
     :func:`step_dtype`; on a GPU transformers' forward is the one measured).
     """
@@ -211,7 +237,7 @@ def llama_step_applies(model: nn.Module, length: int) -> bool:
         projections += [getattr(layer.self_attn, f"{name}_proj") for name in "qkvo"]
         projections += [getattr(layer.mlp, f"{name}_proj") for name in ("gate", "up", "down")]
     weight = model.lm_head.weight
-    return (all(type(m) is nn.Linear for m in projections) and not _sharded(model)
+    return (all(type(m) in (nn.Linear, LowRankLinear) for m in projections) and not _sharded(model)
             and can_pack(weight.device, step_dtype(weight)))
 
 
