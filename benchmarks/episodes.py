@@ -32,7 +32,7 @@ from lit_grpo.environments import Toolbox, call_format
 from lit_grpo.environments.builtin import calculator
 from lit_grpo.generation.episodes import EpisodeSpec
 from lit_grpo.generation.rollout import SamplingSpec, encode_prompts, generate
-from lit_grpo.model.policy import embedded_model_dir
+from lit_grpo.model.sources import embedded_model_dir
 
 START = yaml.safe_load(open("configs/tools.yaml"))["data"]
 

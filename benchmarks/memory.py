@@ -212,7 +212,7 @@ def run_length_trl(model: str, length: int, steps: int) -> list[float]:
     from trl import GRPOConfig, GRPOTrainer
 
     from lit_grpo.data.prompts import chat_prompts
-    from lit_grpo.model.policy import embedded_model_dir
+    from lit_grpo.model.sources import embedded_model_dir
     from lit_grpo.rewards import accuracy
 
     path = str(embedded_model_dir()) if model == "embedded" else model

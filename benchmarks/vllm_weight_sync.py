@@ -33,7 +33,8 @@ from lit_grpo.data.tasks import arithmetic
 from lit_grpo.generation import GenerationSpec
 from lit_grpo.generation.native import NativeEngine
 from lit_grpo.generation.rollout import SamplingSpec, encode_prompts
-from lit_grpo.model.policy import LoraSpec, PolicySpec, embedded_model_dir
+from lit_grpo.model.policy import LoraSpec, PolicySpec
+from lit_grpo.model.sources import embedded_model_dir
 
 
 def perturb(module: GRPOModule, step: int) -> None:

@@ -8,7 +8,7 @@
                                                       # one lit_grpo lever, before/after
 
 Both systems train the embedded SmolLM2-135M-Instruct (the safetensors folder
-of ``lit_grpo.model.policy.embedded_model_dir()``) with a LoRA adapter (r=16,
+of ``lit_grpo.model.sources.embedded_model_dir()``) with a LoRA adapter (r=16,
 alpha=32, no dropout, all linear layers but the head) on the same prompts:
 the built-in ``arithmetic`` task (two-digit additions) in the order lit_grpo's
 DataModule draws them, chat-formatted by lit_grpo and handed to TRL as plain
@@ -115,7 +115,7 @@ def trl_dataset(s: Settings):
     from transformers import AutoTokenizer
 
     from lit_grpo.data.prompts import chat_prompts
-    from lit_grpo.model.policy import embedded_model_dir
+    from lit_grpo.model.sources import embedded_model_dir
 
     data = lit_datamodule(s)
     data.setup("fit")
@@ -186,7 +186,7 @@ def run_trl(s: Settings) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from lit_grpo.model.policy import embedded_model_dir
+    from lit_grpo.model.sources import embedded_model_dir
     from lit_grpo.rewards import accuracy
 
     class StepTimer(TrainerCallback):

@@ -47,7 +47,7 @@ def build_tiny_model(tokenizer, seed: int = 0):
 
 @pytest.fixture(scope="session")
 def embedded_dir() -> str:
-    from lit_grpo.model.policy import embedded_model_dir
+    from lit_grpo.model.sources import embedded_model_dir
 
     return str(embedded_model_dir())
 

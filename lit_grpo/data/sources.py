@@ -192,7 +192,7 @@ def _load_hub_dataset(source: str, split: str):
     """A hub dataset (``name`` or ``name:config``), from the local cache when the hub does not answer."""
     import datasets
 
-    from lit_grpo.model.policy import hub_offline
+    from lit_grpo.model.sources import hub_offline
 
     offline = hub_offline()
     name, _, config = source.partition(":")

@@ -47,7 +47,8 @@ from torch import Tensor
 from lit_grpo.training.distributed import gathered
 from lit_grpo.generation.merged import merged_weights, trained_weight_names
 from lit_grpo.generation.rollout import Rollout, SamplingSpec, eos_ids, finish_rollout
-from lit_grpo.model.policy import EMBEDDED, embedded_model_dir
+from lit_grpo.model.policy import EMBEDDED
+from lit_grpo.model.sources import embedded_model_dir
 
 class VLLMEngine:
     """Samples with a colocated vLLM engine (see the module docstring).

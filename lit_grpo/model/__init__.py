@@ -1,7 +1,8 @@
 """The policy model: loading it, scoring completions with it, and models to test on.
 
 :mod:`~lit_grpo.model.policy`: the causal LM, its tokenizer and the LoRA/QLoRA adapter that trains
-(PolicySpec, LoraSpec); :mod:`~lit_grpo.model.attention`: the ``sdpa_gqa`` attention (grouped-query
+(PolicySpec, LoraSpec); :mod:`~lit_grpo.model.sources`: where it comes from (the embedded SmolLM2, a
+saved folder, the hub); :mod:`~lit_grpo.model.attention`: the ``sdpa_gqa`` attention (grouped-query
 attention left to the kernel); :mod:`~lit_grpo.model.logprob_passes`: the policy's per-token
 log-prob passes over rollout completions; :mod:`~lit_grpo.model.random_models`: randomly initialised
 models of real shapes, with a tokenizer built in code; :mod:`~lit_grpo.model.adapters`: switching

@@ -115,7 +115,7 @@ def _store(file: Path, key: str, value: dict) -> None:
 
 
 def _cache_file(cache_dir: str | None) -> Path:
-    from lit_grpo.model.policy import cache_root
+    from lit_grpo.model.sources import cache_root
 
     return cache_root(cache_dir) / "matmul_peak.json"
 
