@@ -17,9 +17,7 @@ Departures from the paper, on purpose:
 from __future__ import annotations
 
 import contextlib
-import json
 import time
-from pathlib import Path
 from typing import Literal
 
 import torch
@@ -34,6 +32,7 @@ from lit_grpo.generation import Engine, GenerationSpec, build_engine
 from lit_grpo.model.policy import PolicySpec
 from lit_grpo.algorithms.base import PolicyModule
 from lit_grpo.algorithms.answers import greedy_accuracy
+from lit_grpo.evaluation.samples import append_samples
 from lit_grpo.data.rollout_round import MAX_STATS
 from lit_grpo.model.hardware import peak_flops
 from lit_grpo.training.throughput import EpochThroughput, FlopModel
@@ -372,14 +371,8 @@ class GRPOModule(PolicyModule):
     def _write_samples(self) -> None:
         result = self.trainer.datamodule.last_result
         samples = result.samples[: self.hparams.log_samples] if result else []
-        if not samples or self.log_dir is None or self.global_rank != 0:
-            return
-        path = Path(self.log_dir) / "samples.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as f:
-            for prompt, completion, reward, *episode in samples:  # an episode's turns after the final answer
-                record = {"epoch": self.current_epoch, "prompt": prompt, "completion": completion, "reward": reward}
-                f.write(json.dumps({**record, **({"turns": episode[0]} if episode else {})}) + "\n")
+        if samples and self.log_dir is not None and self.global_rank == 0:
+            append_samples(self.log_dir, self.current_epoch, samples)
 
     # ------------------------------------------------------------- validation
     def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:

@@ -2,5 +2,6 @@
 
 :mod:`~lit_grpo.evaluation.evaluate`: ``lit-grpo eval``, how well a base model or base + adapter
 answers held-out prompts; :mod:`~lit_grpo.evaluation.plots`: a run's per-epoch curves (``lit-grpo
-plot`` and the PlotCallback).
+plot`` and the PlotCallback); :mod:`~lit_grpo.evaluation.samples`: the rollouts each epoch appends to
+``samples.jsonl``.
 """
