@@ -117,6 +117,27 @@ def test_a_bf16_copy_keeps_the_adapter_update_apart_instead_of_rounding_it_away(
     assert error <= folded_error / 10  # peft's own arithmetic: bf16 base output + fp32 update, rounded once
 
 
+def test_under_bf16_autocast_an_fp32_policy_decodes_with_its_update_apart_too():
+    # precision="bf16-mixed": fp32 weights, but every matmul rounds them to bf16, so W + delta merged
+    # in fp32 would lose the update the same way (validation decodes under autocast).
+    policy = bf16_lora(1e-3)
+    for name, p in policy.named_parameters():
+        p.data = p.data.float()
+    merged = MergedPolicy(policy)
+    ids, mask = left_padded()
+    with torch.no_grad():
+        with merged(policy) as plain:
+            assert not any(isinstance(m, LowRankLinear) for m in plain.modules())  # fp32 decoding: merged
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = policy(input_ids=ids, attention_mask=mask).logits.float()
+            folded = copy.deepcopy(policy).merge_and_unload()
+            folded_error = (folded(input_ids=ids, attention_mask=mask).logits.float() - expected).abs().max()
+            with merged(policy) as plain:
+                assert sum(isinstance(m, LowRankLinear) for m in plain.modules()) == 14
+                error = (plain(input_ids=ids, attention_mask=mask).logits.float() - expected).abs().max()
+    assert folded_error > 0 and error <= folded_error / 4
+
+
 @pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.bfloat16), reason="this CPU cannot pack bf16 weights")
 def test_matmul_adds_a_low_rank_update_too_small_for_the_bf16_weights():
     torch.manual_seed(0)

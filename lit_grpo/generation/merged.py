@@ -43,6 +43,11 @@ from torch.nn import functional as F
 class MergedPolicy:
     """Merged, adapter-free copies of a policy, materialised per rollout.
 
+    Which layers keep their update apart depends on the dtype the decode
+    multiplies in: ``dtype``, else autocast's where autocast is on at the call
+    (``precision="bf16-mixed"`` validates under it), else the weights' own; a
+    skeleton is built per such dtype, at its first call.
+
     Args:
         policy: The trainable policy: a peft LoRA model, or a plain model
             (full fine-tuning; only worth it with another ``dtype``).
@@ -51,36 +56,53 @@ class MergedPolicy:
 
     def __init__(self, policy: nn.Module, dtype: torch.dtype | None = None) -> None:
         self.dtype = dtype
-        # Copy the module tree only: every parameter becomes an empty meta tensor (the
-        # memo makes deepcopy reuse it), so not even a transient copy of the weights is made.
-        memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
-                for p in policy.parameters()}
-        skeleton = copy.deepcopy(policy, memo)
-        self.apart = low_rank_layers(policy, dtype)
-        if _is_peft(skeleton):
-            skeleton = skeleton.unload()  # the plain architecture, adapter layers removed
-        for name, layer in self.apart.items():
-            down, _ = lora_factors(layer)
-            skeleton.set_submodule(name, LowRankLinear(skeleton.get_submodule(name), len(down), down.dtype))
-        factors = {f"{name}.{factor}" for name in self.apart for factor in ("down", "up")}  # stay in their dtype
-        self.empty = {name: torch.empty_like(p, dtype=p.dtype if name in factors else dtype or p.dtype)
-                      for name, p in skeleton.named_parameters(remove_duplicate=False)}
-        self.skeleton = skeleton.requires_grad_(False).eval()
+        self.copies: dict[torch.dtype | None, _Skeleton] = {}
+        self._skeleton(policy)  # the one a call outside autocast takes
+
+    def _skeleton(self, policy: nn.Module) -> _Skeleton:
+        device = next(policy.parameters()).device.type
+        multiplies = self.dtype or (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None)
+        if multiplies not in self.copies:
+            self.copies[multiplies] = _Skeleton(policy, self.dtype, multiplies)
+        return self.copies[multiplies]
 
     @contextlib.contextmanager
     def __call__(self, policy: nn.Module) -> Iterator[nn.Module]:
         """Yield the skeleton holding ``policy``'s current merged weights; free them on exit."""
+        held = self._skeleton(policy)
         with torch.no_grad():
-            weights = merged_weights(policy, apart=set(self.apart))
+            weights = merged_weights(policy, apart=set(held.apart))
             if self.dtype is not None:
                 weights = {name: w.to(self.dtype) for name, w in weights.items()}
-            for name, layer in self.apart.items():
+            for name, layer in held.apart.items():
                 weights[f"{name}.down"], weights[f"{name}.up"] = lora_factors(layer)
-        self.skeleton.load_state_dict(weights, strict=False, assign=True)
+        held.model.load_state_dict(weights, strict=False, assign=True)
         try:
-            yield self.skeleton
+            yield held.model
         finally:
-            self.skeleton.load_state_dict(self.empty, strict=False, assign=True)
+            held.model.load_state_dict(held.empty, strict=False, assign=True)
+
+
+class _Skeleton:
+    """The plain model's module tree on empty meta tensors, LoRA layers whose update
+    rounding to ``multiplies`` would lose made :class:`LowRankLinear` (``apart``)."""
+
+    def __init__(self, policy: nn.Module, dtype: torch.dtype | None, multiplies: torch.dtype | None) -> None:
+        # Copy the module tree only: every parameter becomes an empty meta tensor (the
+        # memo makes deepcopy reuse it), so not even a transient copy of the weights is made.
+        memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+                for p in policy.parameters()}
+        model = copy.deepcopy(policy, memo)
+        self.apart = low_rank_layers(policy, multiplies)
+        if _is_peft(model):
+            model = model.unload()  # the plain architecture, adapter layers removed
+        for name, layer in self.apart.items():
+            down, _ = lora_factors(layer)
+            model.set_submodule(name, LowRankLinear(model.get_submodule(name), len(down), down.dtype))
+        factors = {f"{name}.{factor}" for name in self.apart for factor in ("down", "up")}  # stay in their dtype
+        self.empty = {name: torch.empty_like(p, dtype=p.dtype if name in factors else dtype or p.dtype)
+                      for name, p in model.named_parameters(remove_duplicate=False)}
+        self.model = model.requires_grad_(False).eval()
 
 
 def merged_weights(policy: nn.Module, apart: set[str] = frozenset()) -> dict[str, torch.Tensor]:
