@@ -70,6 +70,10 @@ CANDIDATES: dict[str, list[str]] = {
     # the default recipe with bf16 base weights and matmuls (docs/speed.md)
     "mix3-ds-cos-4x8-lr2e-4-40ep-bf16": [MIX3, DYNAMIC, *COSINE, "--trainer.max_epochs=40",
                                          "--model.optimizer.init_args.lr=2e-4", "--model.policy.dtype=bfloat16"],
+    # fp32 weights and residual stream, bf16 matmuls under autocast, rollouts from a bf16 copy
+    "mix3-ds-cos-4x8-lr2e-4-40ep-bf16-mixed": [MIX3, DYNAMIC, *COSINE, "--trainer.max_epochs=40",
+                                               "--model.optimizer.init_args.lr=2e-4", "--trainer.precision=bf16-mixed",
+                                               "--model.generation.dtype=bfloat16"],
 }
 
 

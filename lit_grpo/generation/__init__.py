@@ -50,8 +50,12 @@ class GenerationSpec:
         merge: Native engine: decode on the LoRA adapter folded into the
             weights (materialised per rollout, freed after; see
             :mod:`lit_grpo.generation.merged`), which skips the adapter's extra work at
-            every token. QLoRA and FSDP2-sharded policies always decode
-            through the adapter. Needed for a ``dtype`` other than the policy's.
+            every token. Where the decode multiplies in a lower precision than
+            the adapter's (bf16 weights or autocast, an fp32 adapter) the update
+            stays apart as two thin matmuls instead, since rounding
+            ``W + delta`` to bf16 would lose it. QLoRA and FSDP2-sharded
+            policies always decode through the adapter. Needed for a ``dtype``
+            other than the policy's.
         kv_cache_gb: vLLM: memory reserved for its KV cache, in GiB (on a CPU
             this is RAM; vLLM's own default would take 90% of it).
         max_model_len: vLLM: longest prompt + completion in tokens; ``None``
