@@ -1,4 +1,4 @@
-"""``lit-grpo fit`` on 2 processes exactly as users type it (issue 19).
+"""``lit-grpo fit`` (and ``sft fit``, ``rm fit``) on 2 processes exactly as users type it (issue 19).
 
 The real console script in a subprocess, DDP and FSDP2 (ModelParallelStrategy)
 on gloo, with everything a user has on: the progress bar, the CSV logger,
@@ -238,3 +238,30 @@ def test_fsdp2_killed_inside_epochs_resumes_from_its_sharded_checkpoints_to_the_
     assert any(t.abs().max() > 0 for name, t in expected.items() if "lora_B" in name)  # it trained
     for name in expected:
         assert torch.equal(expected[name], actual[name]), name
+
+
+@pytest.mark.parametrize("command, config", [(("sft", "fit"), "configs/sft_quickstart.yaml"),
+                                             (("rm", "fit"), "configs/rm_quickstart.yaml")], ids=["sft", "rm"])
+def test_sft_and_reward_model_cli_runs_on_two_ranks(tiny_model_dir, tmp_path, command, config):
+    # The pipeline's first two stages under DDP, as users type them: the shipped configs shrunk to the
+    # tiny model (the RM starts from the raw base here, not from an SFT adapter), progress bar on.
+    export = tmp_path / "export"
+    code, output = finish(start([
+        "--config", config, "--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.max_steps", "4",
+        "--trainer.default_root_dir", str(tmp_path), "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
+        "--trainer.logger.save_dir", str(tmp_path), "--model.policy.name_or_path", tiny_model_dir,
+        "--model.policy.dtype", "float32", "--data.train_size", "64", "--data.val_size", "8",
+        "--export_adapter", str(export),
+        *(["--model.policy.init_adapter", "null"] if command[0] == "rm" else []),
+    ], command=command))
+    assert code == 0, output[-6000:]
+    rows = list(csv.DictReader(next((tmp_path / "lightning_logs").iterdir()).joinpath("metrics.csv").open()))
+    assert any(row.get("val/loss") for row in rows) and any(row.get("train/loss_step") for row in rows)
+    assert (tmp_path / "checkpoints" / "last.ckpt").exists()
+    if command[0] == "rm":  # a sequence classifier with one score per conversation
+        from transformers import AutoModelForSequenceClassification
+
+        assert AutoModelForSequenceClassification.from_pretrained(export).config.num_labels == 1
+    else:  # the adapter trained: lora_B starts at zero
+        lora_b = [t for name, t in load_file(export / "adapter_model.safetensors").items() if "lora_B" in name]
+        assert lora_b and any(t.abs().max() > 0 for t in lora_b)
