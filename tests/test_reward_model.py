@@ -50,8 +50,19 @@ def test_last_token_index_is_transformers_rule():
     assert last_token_index(ids, None).tolist() == [4, 4, 4]
 
 
+PAIR_BATCHES = {
+    # the batch shares the system prompt; each pair also the rest of its prompt and reply's start
+    "prompts differ": [("What is 12 + 30?", "12 + 30 = 42", "12 + 30 = 43"), ("What is 7 + 8?", "15", "155"),
+                       ("Hi there, how are you today?", "Fine, thanks.", "No")],
+    # one prompt: the first pair shares no more than the whole batch does, the second a reply's start too
+    "one prompt": [("What is 7 + 8?", "15", "fifteen"), ("What is 7 + 8?", "7 + 8 = 15", "7 + 8 = 16")],
+    "one pair": [("What is 7 + 8?", "7 + 8 = 15", "7 + 8 = 16")],
+}
+
+
 @pytest.mark.parametrize("checkpointed", [False, True])
-def test_pair_scores_equal_a_full_pass_per_row_with_their_gradients(tiny_model_dir, checkpointed):
+@pytest.mark.parametrize("batch", sorted(PAIR_BATCHES))
+def test_pair_scores_equal_a_full_pass_per_row_with_their_gradients(tiny_model_dir, checkpointed, batch):
     # The shared-prefix pass the module trains with must score (and differentiate) exactly as the
     # one-pass rule the export and RewardModel use; replies of other lengths, one a prefix of the other.
     # A checkpointed model (whose layers would drop the prefix cache) takes the full pass.
@@ -61,16 +72,14 @@ def test_pair_scores_equal_a_full_pass_per_row_with_their_gradients(tiny_model_d
     module.configure_model()
     for p in module.trainable_parameters():  # a non-zero adapter, so that its gradients are not trivial
         p.data.normal_(0, 0.05)
-    pairs = [("What is 12 + 30?", "12 + 30 = 42", "12 + 30 = 43"), ("What is 7 + 8?", "15", "155"),
-             ("Hi there, how are you today?", "Fine, thanks.", "No")]
-    prompts, chosen, rejected = zip(*pairs)
+    prompts, chosen, rejected = zip(*PAIR_BATCHES[batch])
     ids, mask = encode_conversations(module.tokenizer, list(prompts) * 2, [*chosen, *rejected], None, None)
     pad = module.tokenizer.pad_token_id
     results = []
     for scores in (pair_scores, backbone_scores):
         module.zero_grad()
         out = scores(module.policy, module.reward_head, ids, mask, pad)
-        (out * torch.arange(1.0, 7.0)).sum().backward()
+        (out * torch.arange(1.0, len(ids) + 1.0)).sum().backward()
         results.append((out.detach(), [p.grad.clone() for p in module.trainable_parameters()]))
     (shared, shared_grads), (full, full_grads) = results
     torch.testing.assert_close(shared, full, atol=1e-5, rtol=1e-4)

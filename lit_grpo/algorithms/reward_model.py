@@ -154,17 +154,17 @@ class RewardModelModule(SupervisedModule):
 
 def pair_scores(model: nn.Module, head: nn.Linear, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 pad_token_id: int | None) -> torch.Tensor:
-    """:func:`~lit_grpo.rewards.reward_model.backbone_scores` of B pairs, the tokens each pair shares run once.
+    """:func:`~lit_grpo.rewards.reward_model.backbone_scores` of B pairs, the tokens rows share run once.
 
     ``input_ids``/``attention_mask`` ``[2B, T]`` are right-padded conversations, chosen first
     (:class:`~lit_grpo.data.reward_pairs.RewardDataModule`). A pair's conversations agree up to
-    the reply's first differing token (system prompt, question, most of the reply), so their
-    common prefix runs once, left-padded, and only the two suffixes run on its key/value cache
-    (gradients sum back through it): the scores equal one full pass per row, for about half
-    the compute on the arithmetic pairs. A checkpointed model takes the full pass.
+    the reply's first differing token (system prompt, question, most of the reply), and all the
+    batch's conversations agree on their first tokens (the system prompt, the question's first
+    words). So the batch's common prefix runs once, each pair's further shared tokens once per
+    pair (left-padded after it), and only the two suffixes run on that key/value cache
+    (gradients sum back through it): the scores equal one full pass per row, for about a third
+    of the token passes on the arithmetic pairs. A checkpointed model takes the full pass.
     """
-    from transformers import DynamicCache
-
     from lit_grpo.model.kv_cache import with_cache
     from lit_grpo.model.logprob_passes import cache_rows
 
@@ -178,14 +178,9 @@ def pair_scores(model: nn.Module, head: nn.Linear, input_ids: torch.Tensor, atte
     if checkpointed or int(shared.max()) == 0:  # transformers drops the cache of a layer it checkpoints
         return backbone_scores(model, head, input_ids, attention_mask, pad_token_id)
     pad = pad_token_id if pad_token_id is not None else 0
-    P, rows = int(shared.max()), torch.arange(2 * B, device=input_ids.device) % B  # rows: the pair of each row
-    column = torch.arange(P, device=input_ids.device) - (P - shared)[:, None]  # [B, P] source column, < 0: padding
-    prefix_mask = (column >= 0).long()  # [B, P] left-padded
-    prefix_ids = input_ids[:B].gather(1, column.clamp(min=0)).masked_fill(column < 0, pad)  # [B, P]
-    cache = DynamicCache()
     decoder = base.get_decoder()
-    decoder(input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=(prefix_mask.cumsum(-1) - 1).clamp(min=0),
-            **with_cache(cache), use_cache=True)
+    cache, prefix_mask = _prefix_cache(decoder, input_ids, attention_mask, shared, pad)  # [B, P] mask
+    rows = torch.arange(2 * B, device=input_ids.device) % B  # the pair of each row
     suffix_lengths = lengths - shared[rows]  # [2B], >= 1
     S = int(suffix_lengths.max())
     offsets = torch.arange(S, device=input_ids.device)  # [S]
@@ -197,3 +192,33 @@ def pair_scores(model: nn.Module, head: nn.Linear, input_ids: torch.Tensor, atte
                      use_cache=True).last_hidden_state  # [2B, S, H]
     last = hidden[torch.arange(2 * B, device=hidden.device), suffix_lengths - 1]  # [2B, H]
     return head(last.to(head.weight.dtype)).squeeze(-1).float()  # [2B]
+
+
+def _prefix_cache(decoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, shared: torch.Tensor,
+                  pad: int):
+    """The key/value cache of each pair's first ``shared`` tokens, ``[B, P]`` rows, and its mask.
+
+    The first ``C`` tokens, which every conversation shares, run once and are repeated for the B
+    pairs; each pair's remaining ``shared - C`` tokens run after them, left-padded to ``P - C``.
+    """
+    from transformers import DynamicCache
+
+    from lit_grpo.model.kv_cache import with_cache
+
+    B, device = len(shared), input_ids.device
+    agree = ((input_ids == input_ids[:1]) & attention_mask.bool()).int().cumprod(-1).sum(-1)  # [2B]
+    C, P = min(int(agree.min()), int(shared.min())), int(shared.max())
+    cache = DynamicCache()
+    if C > 0:
+        decoder(input_ids=input_ids[:1, :C], attention_mask=attention_mask[:1, :C],
+                position_ids=torch.arange(C, device=device)[None], **with_cache(cache), use_cache=True)
+        one = torch.zeros(B, dtype=torch.long, device=device)
+        for layer in cache.layers:  # the batch's prefix for every pair; its gradients sum back (index_add_)
+            layer.keys, layer.values = layer.keys.index_select(0, one), layer.values.index_select(0, one)
+    column = torch.arange(P - C, device=device) - (P - shared)[:, None]  # [B, P - C] offset past C, < 0: padding
+    mask = torch.cat([attention_mask[:B, :C], (column >= 0).long()], dim=1)  # [B, P]
+    if P > C:
+        ids = input_ids[:B].gather(1, (C + column).clamp(min=0)).masked_fill(column < 0, pad)  # [B, P - C]
+        decoder(input_ids=ids, attention_mask=mask, position_ids=C + (mask[:, C:].cumsum(-1) - 1).clamp(min=0),
+                **with_cache(cache), use_cache=True)
+    return cache, mask
