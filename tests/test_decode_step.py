@@ -117,6 +117,21 @@ def test_a_bf16_copy_keeps_the_adapter_update_apart_instead_of_rounding_it_away(
     assert error <= folded_error / 10  # peft's own arithmetic: bf16 base output + fp32 update, rounded once
 
 
+def test_an_fp32_decoding_copy_of_a_bf16_policy_merges_the_whole_update():
+    # generation.dtype: float32 on a bf16 policy: W + delta is rounded once, to fp32, not first to bf16.
+    policy = bf16_lora(1e-3)
+    exact = copy.deepcopy(policy)
+    for p in exact.parameters():
+        p.data = p.data.float()
+    ids, mask = left_padded()
+    with torch.no_grad():
+        expected = exact.merge_and_unload()(input_ids=ids, attention_mask=mask).logits
+        with MergedPolicy(policy, torch.float32)(policy) as plain:
+            assert not any(isinstance(m, LowRankLinear) for m in plain.modules())
+            got = plain(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
 def test_under_bf16_autocast_an_fp32_policy_decodes_with_its_update_apart_too():
     # precision="bf16-mixed": fp32 weights, but every matmul rounds them to bf16, so W + delta merged
     # in fp32 would lose the update the same way (validation decodes under autocast).

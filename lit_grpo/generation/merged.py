@@ -71,7 +71,7 @@ class MergedPolicy:
         """Yield the skeleton holding ``policy``'s current merged weights; free them on exit."""
         held = self._skeleton(policy)
         with torch.no_grad():
-            weights = merged_weights(policy, apart=set(held.apart))
+            weights = merged_weights(policy, apart=set(held.apart), dtype=self.dtype)
             if self.dtype is not None:
                 weights = {name: w.to(self.dtype) for name, w in weights.items()}
             for name, layer in held.apart.items():
@@ -105,12 +105,15 @@ class _Skeleton:
         self.model = model.requires_grad_(False).eval()
 
 
-def merged_weights(policy: nn.Module, apart: set[str] = frozenset()) -> dict[str, torch.Tensor]:
+def merged_weights(policy: nn.Module, apart: set[str] = frozenset(),
+                   dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Every parameter of the plain model, by its name there (tied weights under each name).
 
     Adapted layers get ``W + delta`` for each active adapter, except those
     named in ``apart`` (plain-model module names), which keep ``W``; every
-    other tensor is the policy's own (detached, no copy).
+    other tensor is the policy's own (detached, no copy). The sum is rounded
+    once, to ``dtype`` (the base weights' own by default): a bf16 base with an
+    fp32 adapter merged for an fp32 decode keeps the whole update.
     """
     if not _is_peft(policy):
         return {name: p.detach() for name, p in policy.named_parameters(remove_duplicate=False)}
@@ -126,7 +129,7 @@ def merged_weights(policy: nn.Module, apart: set[str] = frozenset()) -> dict[str
             for adapter in module.active_adapters:
                 if adapter in module.lora_A or adapter in module.lora_embedding_A:
                     weights[key] = weights[key] + module.get_delta_weight(adapter)
-            weights[key] = weights[key].to(weight.dtype)  # an fp32 adapter on bf16 weights stays bf16
+            weights[key] = weights[key].to(dtype or weight.dtype)
     return weights
 
 
