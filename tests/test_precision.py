@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+
 import lightning as L
 import pytest
 import torch
 
 from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.model.logprob_passes import completion_logprobs
-from lit_grpo.model.policy import PolicySpec
+from lit_grpo.model.policy import PolicySpec, build_policy
 from lit_grpo.objectives import bradley_terry_loss, dpo_loss, ppo_loss, sft_loss
 from test_module import make, trainer
 
@@ -62,6 +64,51 @@ def test_bf16_runs_of_one_seed_train_to_the_same_adapter_bitwise(tmp_path, tiny_
         adapters.append({n: p.detach().clone() for n, p in module.policy.named_parameters() if p.requires_grad})
     assert adapters[0].keys() == adapters[1].keys()
     assert all(torch.equal(adapters[0][n], adapters[1][n]) for n in adapters[0])
+
+
+def _fp32_and_bf16_policies(folder):
+    """The same LoRA policy with fp32 base weights and with bf16 ones (a young adapter, shared)."""
+    full, _ = build_policy(PolicySpec(name_or_path=folder, dtype="float32"))
+    with torch.no_grad():
+        for name, p in full.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
+    half, _ = build_policy(PolicySpec(name_or_path=folder, dtype="bfloat16"))
+    half.load_state_dict({n: v for n, v in full.state_dict().items() if "lora_" in n}, strict=False)
+    return full, half
+
+
+def test_a_bf16_policy_runs_bf16_mixed_arithmetic_on_its_bf16_weights(tiny_model_dir):
+    # bf16 weights used to mean a bf16 residual stream too, which learnt below fp32; bf16-mixed's
+    # arithmetic (fp32 stream, bf16 matmuls) learnt within it. The bf16 policy must now compute
+    # exactly what bf16-mixed computes on the same (rounded) weights, in every scoring path.
+    full, half = _fp32_and_bf16_policies(tiny_model_dir)
+    rounded = copy.deepcopy(full)
+    with torch.no_grad():
+        for name, p in rounded.named_parameters():
+            if "lora_" not in name:
+                p.copy_(p.bfloat16().float())
+    layer_inputs = []
+    half.get_base_model().model.layers[1].register_forward_pre_hook(lambda m, args: layer_inputs.append(args[0].dtype))
+    generator = torch.Generator().manual_seed(0)
+    prompts, completions = torch.randint(0, 300, (4, 6), generator=generator), torch.randint(0, 300, (4, 9), generator=generator)
+    for prompt_ids in (prompts, prompts[:2].repeat(2, 1)):  # one full pass; rows sharing a prompt
+        args = (prompt_ids, torch.ones_like(prompt_ids), completions, torch.ones_like(completions))
+        ours, _ = completion_logprobs(half, *args, temperature=1.0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            mixed, _ = completion_logprobs(rounded, *args, temperature=1.0)
+        assert torch.equal(ours, mixed)
+        assert not torch.equal(ours, completion_logprobs(full, *args, temperature=1.0)[0])  # it is bf16 arithmetic
+        assert not torch.is_autocast_enabled("cpu")  # the policy's autocast ends with its forward
+    assert set(layer_inputs) == {torch.float32}  # the residual stream
+    assert half.get_base_model().model.layers[0].mlp.down_proj.base_layer.weight.dtype == torch.bfloat16
+
+
+def test_a_bf16_forward_that_raises_leaves_autocast_off(tiny_model_dir):
+    _, half = _fp32_and_bf16_policies(tiny_model_dir)
+    with pytest.raises(IndexError):
+        half(input_ids=torch.tensor([[10**6]]))  # past the vocabulary
+    assert not torch.is_autocast_enabled("cpu")
 
 
 def _bf16(*shape, seed=0):

@@ -168,9 +168,12 @@ class LlamaStep:
         n, prompt = attention.shape
         self.length = prompt
         self.keys, self.values = [], []
+        # One dtype for both: an fp32 residual stream (lit_grpo.model.stream) caches fp32 keys (rotated
+        # in the stream's precision) beside bf16 values (a bf16 matmul's output).
+        stream = torch.promote_types(cache.layers[0].keys.dtype, cache.layers[0].values.dtype)
         for layer in cache.layers:  # [n, K, P, d] -> [n, K, P + new_tokens, d]
             for cached, buffers in ((layer.keys, self.keys), (layer.values, self.values)):
-                buffer = cached.new_empty(*cached.shape[:2], prompt + new_tokens, cached.shape[-1])
+                buffer = cached.new_empty(*cached.shape[:2], prompt + new_tokens, cached.shape[-1], dtype=stream)
                 buffer[:, :, :prompt] = cached
                 buffers.append(buffer)
         self.head_dim = self.keys[0].shape[-1]

@@ -25,6 +25,7 @@ from torch import nn
 
 from lit_grpo.model.attention import use_sdpa_gqa
 from lit_grpo.model.refusals import constructed
+from lit_grpo.model.stream import keep_stream_fp32
 from lit_grpo.model.sources import CONFIG, TOKENIZER, WEIGHTS, check_hub_model, check_model_folder, embedded_model_dir
 
 EMBEDDED = "embedded"
@@ -65,8 +66,11 @@ class PolicySpec:
             CPU whose bf16 matmuls are measured 1.5x faster than fp32 ones,
             AMX or AVX-512 BF16; fp32 elsewhere; :mod:`lit_grpo.model.hardware`).
             In half precision the LoRA weights and their optimizer state stay
-            fp32, and the log-softmax, the loss and the KL are computed in
-            fp32; full fine-tuning trains the weights in this dtype.
+            fp32, the residual stream stays fp32 with every matmul in the
+            half dtype (bf16-mixed's arithmetic on half-precision weights,
+            :mod:`lit_grpo.model.stream`), and the log-softmax, the loss and
+            the KL are computed in fp32; full fine-tuning trains the weights
+            in this dtype.
         lora: The adapter; ``None`` means full fine-tuning (a frozen copy of the
             initial weights becomes the reference when ``beta > 0``).
         load_in_4bit: QLoRA: quantize the frozen base weights to 4-bit NF4 with
@@ -254,6 +258,7 @@ def build_policy(
     """
     base = model if model is not None else load_base_model(spec)
     if spec.lora is None:
+        keep_stream_fp32(base)  # a half-precision model keeps an fp32 residual stream (lit_grpo.model.stream)
         reference = copy.deepcopy(base).requires_grad_(False).eval() if need_reference else None
         policy = base
     else:
@@ -263,6 +268,7 @@ def build_policy(
             base = prepare_model_for_kbit_training(
                 base, use_gradient_checkpointing=spec.gradient_checkpointing
             )
+        keep_stream_fp32(base)  # after kbit preparation, which upcasts what it does not quantize
         lora = dataclasses.asdict(spec.lora)
         config = constructed("policy.lora", LoraConfig, values=lora, r=spec.lora.r, lora_alpha=spec.lora.alpha,
                              lora_dropout=spec.lora.dropout, target_modules=spec.lora.target_modules,

@@ -271,6 +271,7 @@ def head_logprobs(
         ``(logprobs [...], entropy [...] or None)``, fp32 (fp64 for fp64 inputs).
     """
     shape = tokens.shape
+    hidden = hidden.to(weight.dtype)  # an fp32 residual stream into a half-precision head multiplies in its dtype
     logprobs, entropy = _HeadLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, tokens.reshape(-1),
                                             temperature, chunk_size, with_entropy)
     return logprobs.view(shape), entropy.view(shape) if with_entropy else None

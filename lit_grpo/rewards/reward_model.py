@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lit_grpo.model.stream import keep_stream_fp32
 from lit_grpo.rewards.base import Reward
 
 ADAPTER_DIR = "adapter"  # where rm fit's export keeps adapter + head, beside the full model
@@ -154,7 +155,7 @@ class RewardModel(Reward):
 
         model = AutoModelForSequenceClassification.from_pretrained(self.folder, dtype=self.dtype)
         model.config.pad_token_id = self.tokenizer.pad_token_id
-        self.model = model.requires_grad_(False).eval()
+        self.model = keep_stream_fp32(model).requires_grad_(False).eval()
 
     @torch.no_grad()
     def scores(self, prompts: list[str], completions: list[str]) -> torch.Tensor:
