@@ -7,12 +7,12 @@ Its LoRA gradient and per-token log-probs are computed in fp32 and in three
 bf16 variants, and each variant prints the cosine of its gradient with the
 fp32 one, the ratio of their norms and the mean absolute log-prob gap:
 
-* bf16 weights (``policy.dtype: bfloat16``: bf16 base weights and residual
-  stream, fp32 adapter);
+* bf16 weights with a bf16 residual stream (what ``policy.dtype: bfloat16``
+  ran until :mod:`lit_grpo.model.stream`), fp32 adapter;
 * fp32 weights under bf16 autocast (``trainer.precision: bf16-mixed``: bf16
   matmuls, fp32 residual stream);
 * bf16 weights under autocast with the embedding's output cast to fp32 (bf16
-  weights, fp32 residual stream).
+  weights, fp32 residual stream: what ``policy.dtype: bfloat16`` runs now).
 
     python benchmarks/bf16_gradients.py
 """
