@@ -66,30 +66,33 @@ def test_bf16_runs_of_one_seed_train_to_the_same_adapter_bitwise(tmp_path, tiny_
     assert all(torch.equal(adapters[0][n], adapters[1][n]) for n in adapters[0])
 
 
-def _fp32_and_bf16_policies(folder):
-    """The same LoRA policy with fp32 base weights and with bf16 ones (a young adapter, shared)."""
-    full, _ = build_policy(PolicySpec(name_or_path=folder, dtype="float32"))
+def _fp32_and_bf16_policies(folder, lora=True):
+    """The same policy with fp32 base weights and with bf16 ones (with LoRA: a young adapter, shared)."""
+    spec = {"name_or_path": folder} if lora else {"name_or_path": folder, "lora": None}
+    full, _ = build_policy(PolicySpec(dtype="float32", **spec), need_reference=False)
     with torch.no_grad():
         for name, p in full.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
-    half, _ = build_policy(PolicySpec(name_or_path=folder, dtype="bfloat16"))
+    half, _ = build_policy(PolicySpec(dtype="bfloat16", **spec), need_reference=False)
     half.load_state_dict({n: v for n, v in full.state_dict().items() if "lora_" in n}, strict=False)
     return full, half
 
 
-def test_a_bf16_policy_runs_bf16_mixed_arithmetic_on_its_bf16_weights(tiny_model_dir):
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_a_bf16_policy_runs_bf16_mixed_arithmetic_on_its_bf16_weights(tiny_model_dir, lora):
     # bf16 weights used to mean a bf16 residual stream too, which learnt below fp32; bf16-mixed's
     # arithmetic (fp32 stream, bf16 matmuls) learnt within it. The bf16 policy must now compute
     # exactly what bf16-mixed computes on the same (rounded) weights, in every scoring path.
-    full, half = _fp32_and_bf16_policies(tiny_model_dir)
+    full, half = _fp32_and_bf16_policies(tiny_model_dir, lora)
     rounded = copy.deepcopy(full)
     with torch.no_grad():
         for name, p in rounded.named_parameters():
             if "lora_" not in name:
                 p.copy_(p.bfloat16().float())
     layer_inputs = []
-    half.get_base_model().model.layers[1].register_forward_pre_hook(lambda m, args: layer_inputs.append(args[0].dtype))
+    inner = half.get_base_model() if lora else half
+    inner.model.layers[1].register_forward_pre_hook(lambda m, args: layer_inputs.append(args[0].dtype))
     generator = torch.Generator().manual_seed(0)
     prompts, completions = torch.randint(0, 300, (4, 6), generator=generator), torch.randint(0, 300, (4, 9), generator=generator)
     for prompt_ids in (prompts, prompts[:2].repeat(2, 1)):  # one full pass; rows sharing a prompt
@@ -101,7 +104,11 @@ def test_a_bf16_policy_runs_bf16_mixed_arithmetic_on_its_bf16_weights(tiny_model
         assert not torch.equal(ours, completion_logprobs(full, *args, temperature=1.0)[0])  # it is bf16 arithmetic
         assert not torch.is_autocast_enabled("cpu")  # the policy's autocast ends with its forward
     assert set(layer_inputs) == {torch.float32}  # the residual stream
-    assert half.get_base_model().model.layers[0].mlp.down_proj.base_layer.weight.dtype == torch.bfloat16
+    assert inner.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+    if not lora:  # full fine-tuning trains the bf16 weights themselves
+        ours, _ = completion_logprobs(half, *args, temperature=1.0)
+        ours.sum().backward()
+        assert inner.model.layers[0].mlp.down_proj.weight.grad.dtype == torch.bfloat16
 
 
 def test_a_bf16_forward_that_raises_leaves_autocast_off(tiny_model_dir):
