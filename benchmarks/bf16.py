@@ -3,6 +3,7 @@
     pip install -e .[bench]
     python benchmarks/bf16.py                            # 4x8x24, 1x8x256, 8x8x256; 3 steps per run
     python benchmarks/bf16.py --shapes 1x8x256 --steps 2 --systems lit_grpo   # lit_grpo only
+    python benchmarks/bf16.py --shapes 8x8x256 --systems trl --dtypes bfloat16  # one cell
 
 For each shape (prompts x G x new tokens) four runs, each in a fresh
 subprocess through ``benchmarks/vs_trl.py``'s child runner (the same model,
@@ -101,6 +102,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), help="prompts x G x new tokens, e.g. 1x8x256.")
     parser.add_argument("--steps", type=int, default=3, help="Optimizer steps per run (the first is warm-up).")
     parser.add_argument("--systems", nargs="+", choices=["lit_grpo", "trl"], default=["lit_grpo", "trl"])
+    parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"])
     args = parser.parse_args()
     import torch
 
@@ -112,7 +114,7 @@ def main() -> None:
     results = {}
     for shape in args.shapes:
         for system, dtype in RUNS:
-            if system in args.systems:
+            if system in args.systems and dtype in args.dtypes:
                 results[(shape, system, dtype)] = measure(shape, args.steps, system, dtype)
     report(results)
 
