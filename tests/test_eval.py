@@ -85,12 +85,20 @@ class SecretScore:
         return float(self.secret - 5)
 
 
-def test_eval_reports_what_the_environment_scored(tiny_model_dir, monkeypatch, capsys):
+def test_eval_reports_what_the_environment_scored(tiny_model_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.syspath_prepend(__import__("os").path.dirname(__file__))
     result = main(eval_args(tiny_model_dir, "--data.source=guess_number", '--data.environment={"class_path": '
-                            '"test_eval.SecretScore"}', "--data.rewards=[]", "--data.max_prompt_length=400"))
-    secrets = [row["secret"] for row in load_rows("guess_number", "train", None, 0, 12)[:4]]  # the val rows
+                            '"test_eval.SecretScore"}', "--data.rewards=[]", "--data.max_prompt_length=400",
+                            f"--transcripts={tmp_path / 'games.jsonl'}"))
+    rows = load_rows("guess_number", "train", None, 0, 12)[:4]  # the val rows
+    secrets = [row["secret"] for row in rows]
     assert len(set(s > 5 for s in secrets)) == 2  # both kinds, so the share is neither 0 nor 1
     assert result["env_reward"] == pytest.approx(sum(s - 5 for s in secrets) / 4)
     assert result["env_success"] == pytest.approx(sum(s > 5 for s in secrets) / 4)
     assert "env_success" in capsys.readouterr().out.splitlines()[0]
+    games = [json.loads(line) for line in (tmp_path / "games.jsonl").read_text().splitlines()]
+    assert [g["prompt"] for g in games] == [row["prompt"] for row in rows]
+    assert [g["env_reward"] for g in games] == [float(s - 5) for s in secrets]
+    assert all(g["set"] == "validation" and g["turns"][0]["role"] == "assistant" for g in games)
+    assert games[0]["completion"] == next(m["content"] for m in reversed(games[0]["turns"])
+                                          if m["role"] == "assistant")

@@ -19,6 +19,9 @@ adapter a run exported, and scores with the run's own validation reward:
 
 It prints a table row for the validation prompts and one per ``data.val_slices``
 slice and, with ``--out``, writes the figures as JSON (the slices' under ``slices``).
+With ``--transcripts FILE`` it also writes every greedy answer as a JSON line:
+``set``, ``prompt``, ``completion``, ``score``, and for an episode its ``turns``
+(assistant and tool messages) and ``env_reward``.
 """
 
 from __future__ import annotations
@@ -80,9 +83,11 @@ def load_adapter(module: GRPOModule, folder: str | Path) -> None:
 
 @torch.no_grad()
 def evaluate(module: GRPOModule, datamodule: OnPolicyDataModule, samples: int, pass_k: list[int],
-             rows: list[dict] | None = None, progress: bool = True) -> dict[str, float]:
+             rows: list[dict] | None = None, progress: bool = True,
+             transcripts: list[dict] | None = None) -> dict[str, float]:
     """Greedy accuracy and pass@k on ``rows`` (by default the validation prompts) of an attached
-    module and DataModule."""
+    module and DataModule; each greedy answer is appended to ``transcripts`` when given (see the
+    module docstring)."""
     rows = datamodule.val_rows if rows is None else rows
     size = datamodule.hparams.val_batch_size
     greedy, passes, records, env_rewards = [], {k: [] for k in pass_k}, [], []
@@ -97,10 +102,13 @@ def evaluate(module: GRPOModule, datamodule: OnPolicyDataModule, samples: int, p
             batch = datamodule.collate_val(rows[start : start + size])
             answers = module.engine.generate(batch["prompt_ids"], batch["prompt_mask"], sampling, greedy=True,
                                              episodes=batch.get("episodes"))
-            greedy += datamodule.score_validation(batch["rows"], answers.texts).tolist()
+            scores = datamodule.score_validation(batch["rows"], answers.texts).tolist()
+            greedy += scores
             records += answers.episodes or []
-            if scored:
-                env_rewards += environment_rewards(batch["environments"])
+            rewards = environment_rewards(batch["environments"]) if scored else []
+            env_rewards += rewards
+            if transcripts is not None:
+                transcripts += _transcripts(datamodule, batch["rows"], answers, scores, rewards)
             if samples:
                 episodes = None
                 if datamodule.episodes is not None:  # a fresh environment per sampled episode
@@ -124,6 +132,19 @@ def evaluate(module: GRPOModule, datamodule: OnPolicyDataModule, samples: int, p
     return result
 
 
+def _transcripts(datamodule, rows: list[dict], answers, scores: list[float], rewards: list) -> list[dict]:
+    texts = datamodule.full_completions(answers.texts)
+    lines = []
+    for i, (row, text, score) in enumerate(zip(rows, texts, scores)):
+        line = {"prompt": row["prompt"], "completion": text, "score": score}
+        if answers.episodes:
+            line["turns"] = answers.episodes[i].messages
+        if rewards:
+            line["env_reward"] = rewards[i]
+        lines.append(line)
+    return lines
+
+
 class EvalCli(LightningCLI):
     """The ``lit-grpo eval`` parser: the fit config's model and data, plus what to score."""
 
@@ -135,6 +156,8 @@ class EvalCli(LightningCLI):
         parser.add_argument("--pass_k", type=list[int], default=[1],
                             help="The k of pass@k, each at most --samples.")
         parser.add_argument("--out", type=str | None, default=None, help="Also write the figures to this JSON file.")
+        parser.add_argument("--transcripts", type=str | None, default=None,
+                            help="Also write every greedy answer (an episode's turns too) to this JSONL file.")
         for name in ("export_adapter", "collective_timeout"):  # fit-only keys a fit config may hold
             parser.add_argument(f"--{name}", default=None, help="Read from a fit config and ignored here.")
 
@@ -146,7 +169,8 @@ class EvalCli(LightningCLI):
 
 
 def main(argv: list[str]) -> dict[str, float]:
-    """``lit-grpo eval [--config FIT.yaml] [--adapter DIR] [--samples N --pass_k K ...] [--out FILE]``."""
+    """``lit-grpo eval [--config FIT.yaml] [--adapter DIR] [--samples N --pass_k K ...] [--out FILE]
+    [--transcripts FILE]``."""
     cli = EvalCli(GRPOModule, OnPolicyDataModule, run=False, args=argv, save_config_callback=None,
                   parser_kwargs={"prog": "lit-grpo eval",
                                  "description": "Score a base model or base + adapter on held-out prompts."})
@@ -161,9 +185,12 @@ def main(argv: list[str]) -> dict[str, float]:
     if config["adapter"]:
         load_adapter(module, config["adapter"])
         module.engine.weights_changed()
+    transcripts = {name: [] for name in ("validation", *datamodule.val_slices)} if config["transcripts"] else {}
     result = {"model": module.spec.name_or_path, "adapter": config["adapter"],
-              **evaluate(module, datamodule, samples, pass_k if samples else [])}
-    slices = {name: evaluate(module, datamodule, samples, pass_k if samples else [], rows)
+              **evaluate(module, datamodule, samples, pass_k if samples else [],
+                         transcripts=transcripts.get("validation"))}
+    slices = {name: evaluate(module, datamodule, samples, pass_k if samples else [], rows,
+                             transcripts=transcripts.get(name))
               for name, rows in datamodule.val_slices.items()}
     if slices:
         result["slices"] = slices
@@ -172,6 +199,12 @@ def main(argv: list[str]) -> dict[str, float]:
         Path(config["out"]).parent.mkdir(parents=True, exist_ok=True)
         Path(config["out"]).write_text(json.dumps(result, indent=2) + "\n")
         print(f"written to {config['out']}")
+    if transcripts:
+        path = Path(config["transcripts"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps({"set": name, **line}) + "\n"
+                                for name, lines in transcripts.items() for line in lines))
+        print(f"transcripts written to {path}")
     return result
 
 
