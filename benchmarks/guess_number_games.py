@@ -34,7 +34,7 @@ def game_moves(turns: list[dict]) -> list[tuple[int, str]]:
             calls = message.get("tool_calls") or []
             pending = calls[0]["function"]["arguments"].get("number") if calls else None
         elif message["role"] == "tool" and isinstance(pending, int):
-            answer = message["content"].split()[0].rstrip(":")
+            answer = (message["content"].split() or [""])[0].rstrip(":")
             if answer not in ("higher", "lower", "correct"):
                 break  # "No guesses left" or an error: the game is over
             moves.append((pending, answer))
@@ -44,11 +44,10 @@ def game_moves(turns: list[dict]) -> list[tuple[int, str]]:
     return moves
 
 
-def summary(games: list[list[tuple[int, str]]], low: int = 1, high: int = 10) -> dict:
-    """The figures of the module docstring over ``games`` (lists of moves)."""
+def summary(games: list[list[tuple[int, str]]], ranges: list[tuple[int, int]]) -> dict:
+    """The figures of the module docstring over ``games`` (lists of moves) and their secrets' ``ranges``."""
     consistent = follows = later = wins = guesses_in_wins = 0
-    for moves in games:
-        lo, hi = low, high
+    for moves, (lo, hi) in zip(games, ranges):
         for i, (guess, answer) in enumerate(moves):
             if i:
                 later += 1
@@ -81,8 +80,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for name in args.files:
         lines = [json.loads(line) for line in Path(name).read_text().splitlines()]
-        games = [game_moves(line.get("turns", [])) for line in lines if line.get("set", "validation") == "validation"]
-        s = summary(games)
+        lines = [line for line in lines if line.get("set", "validation") == "validation"]
+        columns = [line.get("columns", {}) for line in lines]
+        ranges = [(int(c.get("low", 1)), int(c.get("high", 10))) for c in columns]
+        s = summary([game_moves(line.get("turns", [])) for line in lines], ranges)
         print(f"| {name} | {s['games']} | {s['wins']:.3f} | {s['guesses_per_win']:.2f} | {s['consistent']:.3f} "
               f"| {s['follows_last_answer']:.3f} | {s['first_guesses']} | {s['top_sequence']} |")
 

@@ -209,3 +209,24 @@ def test_under_bf16_autocast_the_step_packs_in_bf16_and_follows_the_model():
             tokens, position = expected.argmax(-1), position + 1
     step = LlamaStep(model, prefill(model, ids, mask)[0], mask, new_tokens=1)  # autocast off: the weights' dtype
     assert step.head.dtype == torch.float32
+
+
+@pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.bfloat16), reason="this CPU cannot pack bf16 weights")
+def test_the_step_follows_a_bf16_model_with_an_fp32_residual_stream():
+    # A bf16 policy keeps its residual stream in fp32 (lit_grpo.model.stream): its prefill caches fp32
+    # keys (rotated in fp32) beside bf16 values, which the step must hold in one dtype.
+    from lit_grpo.model.stream import keep_stream_fp32
+
+    model = keep_stream_fp32(build(LlamaConfig, LlamaForCausalLM).to(torch.bfloat16))
+    ids, mask = left_padded()
+    assert llama_step_applies(model, ids.shape[1] + 4)
+    ours_cache, position, _ = prefill(model, ids, mask)
+    their_cache, _, _ = prefill(model, ids, mask)
+    assert {ours_cache.layers[0].keys.dtype, ours_cache.layers[0].values.dtype} == {torch.float32, torch.bfloat16}
+    ours, theirs = LlamaStep(model, ours_cache, mask, new_tokens=4), ModelStep(model, their_cache, mask)
+    tokens = torch.tensor([5, 6, 7])
+    with torch.no_grad():
+        for _ in range(4):
+            expected, got = theirs(tokens, position), ours(tokens, position)
+            torch.testing.assert_close(got.float(), expected.float(), rtol=0, atol=3e-2)
+            tokens, position = expected.argmax(-1), position + 1

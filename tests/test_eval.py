@@ -98,6 +98,7 @@ def test_eval_reports_what_the_environment_scored(tiny_model_dir, tmp_path, monk
     assert "env_success" in capsys.readouterr().out.splitlines()[0]
     games = [json.loads(line) for line in (tmp_path / "games.jsonl").read_text().splitlines()]
     assert [g["prompt"] for g in games] == [row["prompt"] for row in rows]
+    assert [g["columns"]["secret"] for g in games] == secrets
     assert [g["env_reward"] for g in games] == [float(s - 5) for s in secrets]
     assert all(g["set"] == "validation" and g["turns"][0]["role"] == "assistant" for g in games)
     assert games[0]["completion"] == next(m["content"] for m in reversed(games[0]["turns"])

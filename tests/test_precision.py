@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 
 import lightning as L
 import pytest
@@ -79,8 +80,8 @@ def _fp32_and_bf16_policies(folder, lora=True):
     return full, half
 
 
-@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
-def test_a_bf16_policy_runs_bf16_mixed_arithmetic_on_its_bf16_weights(tiny_model_dir, lora):
+@pytest.mark.parametrize("lora, temperature", [(True, 1.0), (True, 0.7), (False, 1.0)], ids=["lora", "lora-T0.7", "full"])
+def test_a_bf16_policy_runs_bf16_mixed_arithmetic_on_its_bf16_weights(tiny_model_dir, lora, temperature):
     # bf16 weights used to mean a bf16 residual stream too, which learnt below fp32; bf16-mixed's
     # arithmetic (fp32 stream, bf16 matmuls) learnt within it. The bf16 policy must now compute
     # exactly what bf16-mixed computes on the same (rounded) weights, in every scoring path.
@@ -97,11 +98,11 @@ def test_a_bf16_policy_runs_bf16_mixed_arithmetic_on_its_bf16_weights(tiny_model
     prompts, completions = torch.randint(0, 300, (4, 6), generator=generator), torch.randint(0, 300, (4, 9), generator=generator)
     for prompt_ids in (prompts, prompts[:2].repeat(2, 1)):  # one full pass; rows sharing a prompt
         args = (prompt_ids, torch.ones_like(prompt_ids), completions, torch.ones_like(completions))
-        ours, _ = completion_logprobs(half, *args, temperature=1.0)
+        ours, _ = completion_logprobs(half, *args, temperature=temperature)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            mixed, _ = completion_logprobs(rounded, *args, temperature=1.0)
+            mixed, _ = completion_logprobs(rounded, *args, temperature=temperature)
         assert torch.equal(ours, mixed)
-        assert not torch.equal(ours, completion_logprobs(full, *args, temperature=1.0)[0])  # it is bf16 arithmetic
+        assert not torch.equal(ours, completion_logprobs(full, *args, temperature=temperature)[0])  # bf16 arithmetic
         assert not torch.is_autocast_enabled("cpu")  # the policy's autocast ends with its forward
     assert set(layer_inputs) == {torch.float32}  # the residual stream
     assert inner.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
@@ -111,11 +112,28 @@ def test_a_bf16_policy_runs_bf16_mixed_arithmetic_on_its_bf16_weights(tiny_model
         assert inner.model.layers[0].mlp.down_proj.weight.grad.dtype == torch.bfloat16
 
 
-def test_a_bf16_forward_that_raises_leaves_autocast_off(tiny_model_dir):
+def test_a_bf16_forward_that_is_interrupted_leaves_autocast_off(tiny_model_dir):
     _, half = _fp32_and_bf16_policies(tiny_model_dir)
-    with pytest.raises(IndexError):
-        half(input_ids=torch.tensor([[10**6]]))  # past the vocabulary
+
+    def interrupt(*args):
+        raise KeyboardInterrupt  # Ctrl-C in a notebook: forward hooks marked always_call do not see it
+
+    handle = half.get_base_model().model.layers[0].register_forward_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        half(input_ids=torch.tensor([[1, 2]]))
+    handle.remove()
     assert not torch.is_autocast_enabled("cpu")
+
+
+def test_a_deep_copy_of_a_bf16_policy_runs_its_own_weights(tiny_model_dir):
+    # The decode skeleton and full fine-tuning's reference are deep copies: each must run itself.
+    _, half = _fp32_and_bf16_policies(tiny_model_dir, lora=False)
+    twin = copy.deepcopy(half)
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        twin.model.layers[0].mlp.down_proj.weight.mul_(3)
+        assert not torch.equal(twin(input_ids=ids).logits, half(input_ids=ids).logits)
+        assert "input_ids" in inspect.signature(twin.forward).parameters  # what transformers inspects
 
 
 def _bf16(*shape, seed=0):

@@ -20,8 +20,8 @@ adapter a run exported, and scores with the run's own validation reward:
 It prints a table row for the validation prompts and one per ``data.val_slices``
 slice and, with ``--out``, writes the figures as JSON (the slices' under ``slices``).
 With ``--transcripts FILE`` it also writes every greedy answer as a JSON line:
-``set``, ``prompt``, ``completion``, ``score``, and for an episode its ``turns``
-(assistant and tool messages) and ``env_reward``.
+``set``, ``prompt``, the row's other ``columns``, ``completion``, ``score``, and
+for an episode its ``turns`` (assistant and tool messages) and ``env_reward``.
 """
 
 from __future__ import annotations
@@ -136,7 +136,8 @@ def _transcripts(datamodule, rows: list[dict], answers, scores: list[float], rew
     texts = datamodule.full_completions(answers.texts)
     lines = []
     for i, (row, text, score) in enumerate(zip(rows, texts, scores)):
-        line = {"prompt": row["prompt"], "completion": text, "score": score}
+        line = {"prompt": row["prompt"], "completion": text, "score": score,
+                "columns": {k: v for k, v in row.items() if k != "prompt"}}
         if answers.episodes:
             line["turns"] = answers.episodes[i].messages
         if rewards:

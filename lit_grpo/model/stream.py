@@ -20,15 +20,13 @@ multiplies on the fast units. Nothing is copied: the weights stay as stored.
 
 from __future__ import annotations
 
-import contextlib
-import threading
+import functools
+import inspect
 
 import torch
 from torch import nn
 
 HALF = (torch.bfloat16, torch.float16)
-
-_entered = threading.local()  # the autocast contexts the hooked forwards entered, innermost last
 
 
 def keep_stream_fp32(model: nn.Module) -> nn.Module:
@@ -37,24 +35,26 @@ def keep_stream_fp32(model: nn.Module) -> nn.Module:
     The input embedding's output is cast to fp32, and the model's forward (and
     its decoder's, which reward and value heads call directly) runs under
     autocast in the embedding weight's dtype at the call (none once it holds
-    fp32 weights). Calls already under autocast keep it.
+    fp32 weights: an fp32 decoding copy). A call already under autocast keeps
+    the caller's.
 
     Args:
         model: A transformers model (a ``...ForCausalLM`` or
             ``...ForSequenceClassification``), before any peft wrapping.
 
     Returns:
-        ``model``, hooked in place.
+        ``model``, changed in place.
     """
-    embedding = model.get_input_embeddings()
-    dtype = embedding.weight.dtype
-    if dtype not in HALF or getattr(model, "_stream_fp32", False):
+    if model.get_input_embeddings().weight.dtype not in HALF or getattr(model, "_stream_fp32", False):
         return model
-    embedding.register_forward_hook(_to_fp32)
+    model.get_input_embeddings().register_forward_hook(_to_fp32)
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     for module in {model, decoder} - {None}:
-        module.register_forward_pre_hook(_enter_autocast)
-        module.register_forward_hook(_exit_autocast, always_call=True)
+        # The class's forward, wrapped where it is looked up: a `with` block ends autocast on any exit
+        # (hooks would miss a KeyboardInterrupt), and a deep copy of the model wraps its own copy.
+        wrapped = functools.partial(_in_autocast, type(module).forward, module)
+        wrapped.__signature__ = inspect.signature(module.forward)  # transformers reads forward's parameters
+        module.forward = wrapped
     model._stream_fp32 = True
     return model
 
@@ -63,19 +63,10 @@ def _to_fp32(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
     return output.float()
 
 
-def _enter_autocast(module: nn.Module, args) -> None:
-    # The weights' dtype at the call: a copy filled with fp32 weights (an fp32 decoding copy) runs in fp32.
+def _in_autocast(forward, module: nn.Module, *args, **kwargs):
     weight = module.get_input_embeddings().weight
-    context = torch.autocast(weight.device.type, dtype=weight.dtype) if weight.dtype in HALF else contextlib.nullcontext()
-    context.__enter__()
-    _stack().append(context)
-
-
-def _exit_autocast(module: nn.Module, args, output) -> None:
-    _stack().pop().__exit__(None, None, None)
-
-
-def _stack() -> list:
-    if not hasattr(_entered, "contexts"):
-        _entered.contexts = []
-    return _entered.contexts
+    device = weight.device.type
+    if weight.dtype not in HALF or torch.is_autocast_enabled(device):
+        return forward(module, *args, **kwargs)
+    with torch.autocast(device, dtype=weight.dtype):
+        return forward(module, *args, **kwargs)

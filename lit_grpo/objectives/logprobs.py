@@ -224,7 +224,7 @@ class _HeadLogprobs(torch.autograd.Function):
         for start in range(0, len(tokens), ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
             scaled = hidden[rows] / ctx.temperature  # [m, H]
-            grad_logits = _chunk_grad(scaled @ weight.T, tokens[rows], grad_logprobs[rows], 1.0)  # [m, V]
+            grad_logits = _chunk_grad(scaled.to(weight.dtype) @ weight.T, tokens[rows], grad_logprobs[rows], 1.0)
             if grad_hidden is not None:
                 grad_hidden[rows] = (grad_logits.to(weight.dtype) @ weight) / ctx.temperature  # [m, H]
             if grad_weight is not None:
@@ -240,7 +240,9 @@ class _HeadLogprobs(torch.autograd.Function):
 # the hidden states ([m, H]) before the head instead of the logits ([m, V]) after
 # it: the same numbers, V / H times fewer divisions.
 def _head_chunk(hidden: Tensor, weight: Tensor, tokens: Tensor, temperature: float, with_entropy: bool):
-    logp = _log_softmax((hidden / temperature) @ weight.T, 1.0)  # [m, V]
+    # An fp32 residual stream meets a half-precision head: scaled in fp32, multiplied in the head's dtype
+    # (as under autocast).
+    logp = _log_softmax((hidden / temperature).to(weight.dtype) @ weight.T, 1.0)  # [m, V]
     return _chosen(logp, tokens), _entropy(logp) if with_entropy else None
 
 
@@ -271,7 +273,6 @@ def head_logprobs(
         ``(logprobs [...], entropy [...] or None)``, fp32 (fp64 for fp64 inputs).
     """
     shape = tokens.shape
-    hidden = hidden.to(weight.dtype)  # an fp32 residual stream into a half-precision head multiplies in its dtype
     logprobs, entropy = _HeadLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, tokens.reshape(-1),
                                             temperature, chunk_size, with_entropy)
     return logprobs.view(shape), entropy.view(shape) if with_entropy else None
