@@ -256,9 +256,10 @@ def build_policy(
         reference (``None`` with LoRA: the reference is the adapter-disabled
         policy).
     """
-    base = model if model is not None else load_base_model(spec)
+    # A half-precision model keeps an fp32 residual stream (lit_grpo.model.stream); its dtype is read at each
+    # call, so QLoRA's kbit preparation, which upcasts what it does not quantize, turns it into a no-op.
+    base = keep_stream_fp32(model if model is not None else load_base_model(spec))
     if spec.lora is None:
-        keep_stream_fp32(base)  # a half-precision model keeps an fp32 residual stream (lit_grpo.model.stream)
         reference = copy.deepcopy(base).requires_grad_(False).eval() if need_reference else None
         policy = base
     else:
@@ -268,7 +269,6 @@ def build_policy(
             base = prepare_model_for_kbit_training(
                 base, use_gradient_checkpointing=spec.gradient_checkpointing
             )
-        keep_stream_fp32(base)  # after kbit preparation, which upcasts what it does not quantize
         lora = dataclasses.asdict(spec.lora)
         config = constructed("policy.lora", LoraConfig, values=lora, r=spec.lora.r, lora_alpha=spec.lora.alpha,
                              lora_dropout=spec.lora.dropout, target_modules=spec.lora.target_modules,
