@@ -16,13 +16,16 @@ pass of training (:func:`lit_grpo.algorithms.reward_model.pair_scores`). Every
 accuracy with 2.5x the pairs of the config's validation), split by the kind
 of slip (+-1, +-10, last two digits swapped), the mean |margin| and mean
 score; at the start and the end the accuracy on the 64 held-out pairs.
-``--lr 0`` trains the head alone.
+``--lr 0`` trains the head alone. ``--per-question K`` fills each batch with
+``--batch / K`` questions and K of each one's slips (the same chosen reply
+against K rejected ones), so every step contrasts answers to the same questions.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import random
 import time
 
 import torch
@@ -40,6 +43,14 @@ def slip(row: dict) -> str:
     """Which slip the rejected reply is."""
     right, wrong = int(row["chosen"].split("= ")[1]), int(row["rejected"].split("= ")[1])
     return {1: "+-1", 10: "+-10"}.get(abs(right - wrong), "swap")
+
+
+def slips(row: dict) -> list[dict]:
+    """The row with each slip :func:`~lit_grpo.data.tasks.arithmetic_preferences` draws from as its rejected reply."""
+    right, equation = int(row["answer"]), row["chosen"].rsplit("= ", 1)[0]
+    digits = str(right)
+    wrong = {right + 1, right - 1, right + 10, right - 10, int(digits[:-2] + digits[-1] + digits[-2])} - {right}
+    return [{**row, "rejected": f"{equation}= {w}"} for w in sorted(wrong)]
 
 
 def scores(module: RewardModelModule, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,6 +92,7 @@ def main() -> None:
     parser.add_argument("--sched", choices=("cos", "const"), default="cos")
     parser.add_argument("--r", type=int, default=16)
     parser.add_argument("--alpha", type=int, default=32)
+    parser.add_argument("--per-question", type=int, default=1, help="slips of each question per batch (1-4)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--attn", default=None)
     parser.add_argument("--model", default="embedded")
@@ -98,7 +110,11 @@ def main() -> None:
     optimizer = torch.optim.AdamW([{"params": adapter, "lr": args.lr},
                                    {"params": head, "lr": args.head_lr or args.lr}], weight_decay=0.0)
     peaks = [group["lr"] for group in optimizer.param_groups]
-    rows = arithmetic_preferences(HELD_OUT + args.steps * args.batch, 0, 2, "+")
+    questions = args.batch // args.per_question
+    if not 1 <= args.per_question <= 4 or questions * args.per_question != args.batch:
+        parser.error(f"--per-question={args.per_question}: expected 1 to 4 dividing --batch={args.batch}")
+    rows = arithmetic_preferences(HELD_OUT + args.steps * questions, 0, 2, "+")
+    pick = random.Random(0)
     held_out, train = rows[:HELD_OUT], rows[HELD_OUT:]
     start = time.time()
     print(f"held-out accuracy before: {held_out_accuracy(module, held_out):.4f}", flush=True)
@@ -109,7 +125,9 @@ def main() -> None:
             1.0 if args.sched == "const" else 0.5 * (1 + math.cos(math.pi * done)))
         for group, peak in zip(optimizer.param_groups, peaks):
             group["lr"] = peak * max(scale, 1e-3)
-        batch = train[step * args.batch:(step + 1) * args.batch]
+        batch = train[step * questions:(step + 1) * questions]
+        if args.per_question > 1:
+            batch = [pair for row in batch for pair in pick.sample(slips(row), args.per_question)]
         chosen, rejected = scores(module, batch)
         margin = chosen - rejected
         optimizer.zero_grad()

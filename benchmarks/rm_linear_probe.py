@@ -9,7 +9,9 @@ LBFGS) on the frozen SFT model's hidden states, for every third layer and at
 the last three positions (the ``\\n`` the reward model reads, ``<|im_end|>``,
 the answer's last digit), on the config's pairs: trained on ``--pairs``, held
 out on the config's 64. A probe well below the target says the adapter has to
-build the feature, not just expose it.
+build the feature, not just expose it. Beside it, what the same model knows as
+a language model: the share of pairs whose chosen reply it gives the higher
+log-likelihood (the pairs differ only in the result's digits).
 """
 
 from __future__ import annotations
@@ -26,27 +28,32 @@ from lit_grpo.rewards.reward_model import encode_conversations
 HELD_OUT = 64  # configs/rm_quickstart.yaml's val_size: the first rows
 
 
-def features(init_adapter: str, pairs: int) -> dict[tuple[int, int], torch.Tensor]:
-    """``(position from the end, layer) -> [HELD_OUT + pairs, 2, H]`` hidden states of chosen and rejected."""
+def features(init_adapter: str, pairs: int) -> tuple[dict[tuple[int, int], torch.Tensor], torch.Tensor]:
+    """``(position from the end, layer) -> [HELD_OUT + pairs, 2, H]`` hidden states of chosen and rejected,
+    and ``[HELD_OUT + pairs]`` whether the model's log-likelihood of the chosen conversation is the higher."""
     spec = PolicySpec(init_adapter=init_adapter, lora=None)
     model, _ = build_policy(spec, need_reference=False)
     model.eval()
     tokenizer = load_tokenizer(spec)
     rows = arithmetic_preferences(HELD_OUT + pairs, 0, digits=2, ops="+")
     out: dict[tuple[int, int], list[torch.Tensor]] = {}
+    generative = []
     with torch.no_grad():
         for start in range(0, len(rows), 32):
             batch = rows[start : start + 32]
             ids, mask = encode_conversations(tokenizer, [r["prompt"] for r in batch] * 2,
                                              [r["chosen"] for r in batch] + [r["rejected"] for r in batch], None, None)
-            hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, output_hidden_states=True,
-                                         use_cache=False).hidden_states  # layers + 1 of [2B, T, H]
+            outputs = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
+            hidden = outputs.hidden_states  # layers + 1 of [2B, T, H]
             last, n = mask.sum(-1) - 1, len(batch)
+            token_logp = torch.log_softmax(outputs.logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+            likelihood = (token_logp * mask[:, 1:]).sum(-1)  # [2B]
+            generative.append(likelihood[:n] > likelihood[n:])
             for back in range(3):
                 for layer, states in enumerate(hidden):
                     picked = states[torch.arange(2 * n), last - back]  # [2B, H]
                     out.setdefault((back, layer), []).append(torch.stack([picked[:n], picked[n:]], dim=1))
-    return {key: torch.cat(parts) for key, parts in out.items()}
+    return {key: torch.cat(parts) for key, parts in out.items()}, torch.cat(generative)
 
 
 def probe(states: torch.Tensor) -> tuple[float, float]:
@@ -73,7 +80,9 @@ def main() -> None:
     parser.add_argument("--init-adapter", default="runs/sft_quickstart/adapter")
     parser.add_argument("--pairs", type=int, default=512)
     args = parser.parse_args()
-    states = features(args.init_adapter, args.pairs)
+    states, generative = features(args.init_adapter, args.pairs)
+    print(f"log p(chosen) > log p(rejected): {generative[HELD_OUT:].float().mean():.2f} of the training pairs, "
+          f"{generative[:HELD_OUT].float().mean():.2f} held out")
     layers = sorted({layer for _, layer in states})
     shown = sorted(set(layers[::3]) | {layers[-1]})
     print("| position | " + " | ".join(f"layer {layer}" for layer in shown) + " |")
