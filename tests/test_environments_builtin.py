@@ -95,8 +95,8 @@ def test_python_times_out(monkeypatch):
 
 
 # --------------------------------------------------------------------------- GuessNumber
-def _play(guesses: list[int], secret: int = 7, max_guesses: int = 4):
-    factory = EnvironmentFactory("lit_grpo.environments.builtin.GuessNumber", {"max_guesses": max_guesses})
+def _play(guesses: list[int], secret: int = 7, max_guesses: int = 4, **kwargs):
+    factory = EnvironmentFactory("lit_grpo.environments.builtin.GuessNumber", {"max_guesses": max_guesses, **kwargs})
     env, text, toolbox = factory.new({"prompt": "find it", "secret": secret, "low": 1, "high": 10})
     assert toolbox.names == ["guess"]
     plural = "guesses" if max_guesses > 1 else "guess"
@@ -123,6 +123,19 @@ def test_guess_number_lost():
     assert observations == ["higher (3 guesses left)", "higher (2 guesses left)", "higher (1 guess left)",
                             "lower (0 guesses left)", "No guesses left: the game is over."]
     assert env.get_reward() == 0.0  # the fifth guess was right but refused
+
+
+def test_guess_number_consistency_rewards_guesses_the_answers_allow():
+    # 5 -> higher (6..10 open), 8 -> lower (6..7 open), 7 correct: both later guesses follow the answers
+    env, _ = _play([5, 8, 7], consistency=0.3)
+    assert env.get_reward() == pytest.approx(1 + 0.5 * (4 - 3) / 3 + 0.3 * 2 / 3)
+    # a blind sequence: 2 -> higher (3..10), 1 breaks it, 9 -> lower (3..8), 3 -> higher (4..8): 2 of 3 allowed
+    env, _ = _play([2, 1, 9, 3], consistency=0.3)
+    assert env.get_reward() == pytest.approx(0.3 * 2 / 3)  # lost, but it read two answers
+    env, _ = _play([5, 8, 7])
+    assert env.get_reward() == pytest.approx(1 + 0.5 / 3)  # off by default: the reward of before
+    with pytest.raises(ValueError, match="consistency=-1"):
+        GuessNumber(consistency=-1)
 
 
 def test_guess_number_single_guess_and_drawn_secret():

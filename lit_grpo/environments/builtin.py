@@ -158,21 +158,32 @@ class GuessNumber:
     Reward (:meth:`get_reward`), with ``M = max_guesses`` and ``k`` the guess
     that found the secret: ``1 + 0.5 * (M - k) / (M - 1)`` (1.5 at the first
     guess, 1.0 at the last allowed one; 1.0 when ``M == 1``); 0 when the
-    secret was not found. Guesses outside the range count.
+    secret was not found. Guesses outside the range count. With
+    ``consistency > 0``, won or lost, each guess after the first that lies
+    in the interval the answers so far leave open adds ``consistency / (M - 1)``:
+    a shaping reward for reading the answers, which a fixed sequence of
+    guesses earns only where it happens to agree with them.
 
     Args:
         max_guesses: Guesses allowed per episode; later ones are refused.
         low: Smallest secret when the row has no ``low``.
         high: Largest secret when the row has no ``high``.
         seed: Seed of the draw for rows without a ``secret``.
+        consistency: Reward for following every answer over ``M`` guesses
+            (0 leaves it out).
     """
 
-    def __init__(self, max_guesses: int = 4, low: int = 1, high: int = 10, seed: int = 0) -> None:
+    def __init__(self, max_guesses: int = 4, low: int = 1, high: int = 10, seed: int = 0,
+                 consistency: float = 0.0) -> None:
         if max_guesses < 1:
             raise ValueError(f"GuessNumber max_guesses={max_guesses}; expected >= 1.")
+        if consistency < 0:
+            raise ValueError(f"GuessNumber consistency={consistency}; expected >= 0.")
         self.max_guesses, self.default_range, self.seed = max_guesses, (low, high), seed
+        self.consistency = consistency
         self.low, self.high, self.secret = low, high, low
         self.guesses, self.solved = 0, False
+        self.open, self.consistent = (low, high), 0
 
     def reset(self, **row) -> str:
         """Starts a game for ``row``; returns the rules, appended to the prompt."""
@@ -183,6 +194,7 @@ class GuessNumber:
         if not self.low <= int(secret) <= self.high:
             raise ValueError(f"secret={secret!r} is outside the range {self.low}..{self.high}")
         self.secret, self.guesses, self.solved = int(secret), 0, False
+        self.open, self.consistent = (self.low, self.high), 0  # what the answers so far leave possible
         return (f"You have {_guesses(self.max_guesses)}. Call the guess tool with a number; it answers "
                 "higher, lower or correct.")
 
@@ -200,16 +212,21 @@ class GuessNumber:
         if self.guesses >= self.max_guesses:
             return "No guesses left: the game is over."
         self.guesses += 1
+        low, high = self.open
+        self.consistent += self.guesses > 1 and low <= number <= high
         if number == self.secret:
             self.solved = True
             return "correct"
+        self.open = (max(low, number + 1), high) if number < self.secret else (low, min(high, number - 1))
         return f"{'higher' if number < self.secret else 'lower'} ({_guesses(self.max_guesses - self.guesses)} left)"
 
     def get_reward(self) -> float:
-        """1 plus a bonus for fewer guesses when solved, else 0 (formula in the class docstring)."""
+        """1 plus a bonus for fewer guesses when solved, else 0, plus the consistency reward (class docstring)."""
+        steps = max(self.max_guesses - 1, 1)
+        shaping = self.consistency * self.consistent / steps
         if not self.solved:
-            return 0.0
-        return 1.0 + 0.5 * (self.max_guesses - self.guesses) / max(self.max_guesses - 1, 1)
+            return shaping
+        return 1.0 + 0.5 * (self.max_guesses - self.guesses) / steps + shaping
 
 
 def _guesses(count: int) -> str:
