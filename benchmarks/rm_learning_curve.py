@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from lit_grpo.algorithms.reward_model import RewardModelModule, pair_scores
-from lit_grpo.data.tasks import arithmetic_preferences
+from lit_grpo.data.tasks import arithmetic_preferences, near_misses
 from lit_grpo.model.policy import LoraSpec, PolicySpec
 from lit_grpo.rewards.reward_model import encode_conversations
 
@@ -46,11 +46,9 @@ def slip(row: dict) -> str:
 
 
 def slips(row: dict) -> list[dict]:
-    """The row with each slip :func:`~lit_grpo.data.tasks.arithmetic_preferences` draws from as its rejected reply."""
-    right, equation = int(row["answer"]), row["chosen"].rsplit("= ", 1)[0]
-    digits = str(right)
-    wrong = {right + 1, right - 1, right + 10, right - 10, int(digits[:-2] + digits[-1] + digits[-2])} - {right}
-    return [{**row, "rejected": f"{equation}= {w}"} for w in sorted(wrong)]
+    """The row with each of its answer's :func:`~lit_grpo.data.tasks.near_misses` as its rejected reply."""
+    equation = row["chosen"].rsplit("= ", 1)[0]
+    return [{**row, "rejected": f"{equation}= {wrong}"} for wrong in near_misses(int(row["answer"]))]
 
 
 def scores(module: RewardModelModule, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -84,12 +84,17 @@ def arithmetic_sft(n: int, seed: int, digits: int | list[int] = 2, ops: str = "+
             for row in arithmetic_preferences(n, seed, digits, ops)]
 
 
-def _slip(right: int, rng: random.Random) -> int:
-    """A wrong result close to ``right``: +-1, +-10, or its last two digits swapped."""
+def near_misses(right: int) -> list[int]:
+    """The wrong results close to ``right`` that :func:`arithmetic_preferences` draws its rejected
+    answers from, ascending: +-1, +-10, and its last two digits swapped (where that differs)."""
     sign, digits = ("-" if right < 0 else ""), str(abs(right))
     swapped = int(sign + digits[:-2] + digits[-1] + digits[-2]) if len(digits) > 1 else right
-    candidates = {right + 1, right - 1, right + 10, right - 10, swapped} - {right}
-    return rng.choice(sorted(candidates))
+    return sorted({right + 1, right - 1, right + 10, right - 10, swapped} - {right})
+
+
+def _slip(right: int, rng: random.Random) -> int:
+    """A wrong result close to ``right``, drawn from :func:`near_misses`."""
+    return rng.choice(near_misses(right))
 
 
 class TooFewQuestions(ValueError):
