@@ -20,9 +20,16 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 
 __version__ = "0.1.0"
+
+# On Intel CPUs MKL's sgemm splits a long inner dimension across threads, so a matmul's sums (and
+# from there a whole run) differ between 1 and 2 threads; strict conditional bitwise reproducibility
+# makes them independent of the thread count at no measured cost (docs/determinism.md). MKL reads
+# it at its first call, so it has to be set before any matmul; a user's own MKL_CBWR is kept.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 # Public name -> the module that defines it.
 _EXPORTS = {
