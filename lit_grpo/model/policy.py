@@ -25,6 +25,7 @@ from torch import nn
 
 from lit_grpo.model.attention import use_sdpa_gqa
 from lit_grpo.model.refusals import constructed
+from lit_grpo.model.activations import recompute_swiglu, share_adapter_input_casts
 from lit_grpo.model.stream import keep_stream_fp32
 from lit_grpo.model.sources import CONFIG, TOKENIZER, WEIGHTS, check_hub_model, check_model_folder, embedded_model_dir
 
@@ -274,7 +275,9 @@ def build_policy(
                              lora_dropout=spec.lora.dropout, target_modules=spec.lora.target_modules,
                              task_type="CAUSAL_LM")
         policy = constructed("policy.lora", get_peft_model, base, config, values=lora)
+        share_adapter_input_casts(policy)  # under autocast: one bf16 cast of a layer input for all its adapters
         reference = None
+    recompute_swiglu(policy)  # the MLP's SiLU recomputed in the backward, not kept (lit_grpo.model.activations)
     if spec.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         policy.config.use_cache = False
