@@ -16,7 +16,8 @@ pass of training (:func:`lit_grpo.algorithms.reward_model.pair_scores`). Every
 accuracy with 2.5x the pairs of the config's validation), split by the kind
 of slip (+-1, +-10, last two digits swapped), the mean |margin| and mean
 score; at the start and the end the accuracy on the 64 held-out pairs.
-``--lr 0`` trains the head alone. ``--per-question K`` fills each batch with
+``--lr 0`` trains the head alone; ``--r 0`` fine-tunes every weight of the
+SFT model (no adapter) at ``--lr``. ``--per-question K`` fills each batch with
 ``--batch / K`` questions and K of each one's slips (the same chosen reply
 against K rejected ones), so every step contrasts answers to the same questions.
 """
@@ -88,7 +89,7 @@ def main() -> None:
     parser.add_argument("--head-init", choices=("default", "zero"), default="default")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--sched", choices=("cos", "const"), default="cos")
-    parser.add_argument("--r", type=int, default=16)
+    parser.add_argument("--r", type=int, default=16, help="LoRA rank; 0: full fine-tuning (every base weight trained)")
     parser.add_argument("--alpha", type=int, default=32)
     parser.add_argument("--per-question", type=int, default=1, help="slips of each question per batch (1-4)")
     parser.add_argument("--dtype", default="float32")
@@ -99,7 +100,7 @@ def main() -> None:
     print(vars(args), flush=True)
     torch.manual_seed(0)
     spec = PolicySpec(name_or_path=args.model, init_adapter=args.init_adapter or None, dtype=args.dtype, attn_implementation=args.attn,
-                      lora=LoraSpec(r=args.r, alpha=args.alpha))
+                      lora=LoraSpec(r=args.r, alpha=args.alpha) if args.r else None)
     module = RewardModelModule(policy=spec)
     module.configure_model()
     if args.head_init == "zero":
