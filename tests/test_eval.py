@@ -103,3 +103,23 @@ def test_eval_reports_what_the_environment_scored(tiny_model_dir, tmp_path, monk
     assert all(g["set"] == "validation" and g["turns"][0]["role"] == "assistant" for g in games)
     assert games[0]["completion"] == next(m["content"] for m in reversed(games[0]["turns"])
                                           if m["role"] == "assistant")
+
+
+class ShapedSecret(SecretScore):
+    """Rewards every episode above 0 (a shaping reward) and says itself which ones it counts as solved."""
+
+    def reset(self, **row) -> None:
+        super().reset(**row)
+        self.solved = self.secret > 5
+
+    def get_reward(self) -> float:
+        return 0.1 + float(self.solved)
+
+
+def test_env_success_reads_the_environments_solved_not_its_shaped_reward(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(__import__("os").path.dirname(__file__))
+    result = main(eval_args(tiny_model_dir, "--data.source=guess_number", '--data.environment={"class_path": '
+                            '"test_eval.ShapedSecret"}', "--data.rewards=[]", "--data.max_prompt_length=400"))
+    secrets = [row["secret"] for row in load_rows("guess_number", "train", None, 0, 12)[:4]]
+    assert 0 < sum(s > 5 for s in secrets) < 4  # every reward is > 0, yet not every game is solved
+    assert result["env_success"] == pytest.approx(sum(s > 5 for s in secrets) / 4)

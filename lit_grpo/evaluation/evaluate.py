@@ -13,9 +13,11 @@ adapter a run exported, and scores with the run's own validation reward:
   same episodes training runs, and beside the accuracy the greedy episodes'
   tool use (``tool_calls``, ``tool_errors`` per episode, ``turns_mean``), and
   with an environment that scores its episodes (``get_reward``) their mean
-  reward (``env_reward``) and the share of episodes it rewarded above 0
-  (``env_success``: for :class:`~lit_grpo.environments.builtin.GuessNumber`,
-  games won within ``max_guesses``).
+  reward (``env_reward``) and the share of episodes it counts as a success
+  (``env_success``): its ``solved`` attribute where it has a boolean one (for
+  :class:`~lit_grpo.environments.builtin.GuessNumber`, games won within
+  ``max_guesses``, whatever a shaping reward adds to lost ones), else a reward
+  above 0.
 
 It prints a table row for the validation prompts and one per ``data.val_slices``
 slice and, with ``--out``, writes the figures as JSON (the slices' under ``slices``).
@@ -90,7 +92,7 @@ def evaluate(module: GRPOModule, datamodule: OnPolicyDataModule, samples: int, p
     module docstring)."""
     rows = datamodule.val_rows if rows is None else rows
     size = datamodule.hparams.val_batch_size
-    greedy, passes, records, env_rewards = [], {k: [] for k in pass_k}, [], []
+    greedy, passes, records, env_rewards, successes = [], {k: [] for k in pass_k}, [], [], []
     factory = datamodule.episodes.factory if datamodule.episodes is not None else None
     scored = factory is not None and factory.has_reward  # an environment that scores its episodes
     sampling = datamodule.sampling
@@ -107,6 +109,7 @@ def evaluate(module: GRPOModule, datamodule: OnPolicyDataModule, samples: int, p
             records += answers.episodes or []
             rewards = environment_rewards(batch["environments"]) if scored else []
             env_rewards += rewards
+            successes += [_solved(env, reward) for env, reward in zip(batch.get("environments", ()), rewards)]
             if transcripts is not None:
                 transcripts += _transcripts(datamodule, batch["rows"], answers, scores, rewards)
             if samples:
@@ -128,8 +131,14 @@ def evaluate(module: GRPOModule, datamodule: OnPolicyDataModule, samples: int, p
         result.update({name: stats[f"episode/{name}"] for name in EPISODE_COLUMNS})
     if env_rewards:
         result.update({"env_reward": sum(env_rewards) / len(env_rewards),
-                       "env_success": sum(r > 0 for r in env_rewards) / len(env_rewards)})
+                       "env_success": sum(successes) / len(successes)})
     return result
+
+
+def _solved(environment, reward: float) -> bool:
+    """Whether an episode succeeded: the environment's boolean ``solved`` where it has one, else ``reward > 0``."""
+    solved = getattr(environment, "solved", None)
+    return solved if isinstance(solved, bool) else reward > 0
 
 
 def _transcripts(datamodule, rows: list[dict], answers, scores: list[float], rewards: list) -> list[dict]:
