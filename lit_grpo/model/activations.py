@@ -27,6 +27,7 @@ that autograd keeps by default are not needed:
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 from torch import nn
@@ -82,13 +83,28 @@ def recompute_swiglu(model: nn.Module) -> int:
     return changed
 
 
+def _nothing() -> None:
+    return None
+
+
 class _CastOnce:
-    """A forward pre-hook for the adapters of one decoder layer: one bf16 cast per fp32 input."""
+    """A forward pre-hook for the adapters of one decoder layer: one bf16 cast per fp32 input.
+
+    It holds its input and the cast by weak reference only, so it keeps nothing
+    alive (a pass cut short, as gradient checkpointing's early-stopping
+    recomputation is, leaves nothing behind) and a tensor freed and replaced
+    at the same address never matches.
+    """
 
     def __init__(self) -> None:
-        self.source: torch.Tensor | None = None  # held, so that no later tensor can take its place
+        self.source = self.cast = _nothing
         self.key: tuple | None = None
-        self.cast: torch.Tensor | None = None
+
+    def __getstate__(self) -> dict:  # a pickled or copied model starts with an empty cache
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
 
     def __call__(self, module: nn.Module, args: tuple) -> tuple | None:
         x = args[0]
@@ -97,12 +113,11 @@ class _CastOnce:
             return None
         dtype = torch.get_autocast_dtype(device)
         key = (x._version, dtype, torch.is_grad_enabled())
-        if self.source is not x or self.key != key:
-            self.source, self.key, self.cast = x, key, x.to(dtype)
-        return (self.cast, *args[1:])
-
-    def clear(self, *_) -> None:
-        self.source = self.key = self.cast = None
+        cast = self.cast()
+        if cast is None or self.source() is not x or self.key != key:
+            cast = x.to(dtype)
+            self.source, self.cast, self.key = weakref.ref(x), weakref.ref(cast), key
+        return (cast, *args[1:])
 
 
 def share_adapter_input_casts(policy: nn.Module) -> int:
@@ -110,7 +125,7 @@ def share_adapter_input_casts(policy: nn.Module) -> int:
 
     Only acts under autocast on fp32 inputs (a half-precision model with an fp32
     residual stream, :mod:`lit_grpo.model.stream`); elsewhere the hooks pass
-    their input through. Each layer's cache is emptied when the layer returns.
+    their input through.
 
     Args:
         policy: A peft model whose base has ``get_decoder().layers``.
@@ -130,5 +145,4 @@ def share_adapter_input_casts(policy: nn.Module) -> int:
                 for lora_a in module.lora_A.values():
                     lora_a.register_forward_pre_hook(cache)
                     hooked += 1
-        layer.register_forward_hook(cache.clear)
     return hooked
