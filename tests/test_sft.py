@@ -136,6 +136,17 @@ def test_init_adapter_reference_is_the_sft_model(tmp_path, tiny_model_dir):
     assert all(not p.requires_grad for n, p in module.policy.named_parameters() if "lora_" not in n)
 
 
+def test_full_fine_tuning_on_a_folded_adapter_trains_every_weight(tmp_path, tiny_model_dir):
+    # peft freezes the base to load an adapter; the folded model must come back trainable
+    sft = SFTModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8)), progress=False)
+    sft.configure_model()
+    sft.export_adapter(tmp_path / "sft")
+    full = SFTModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=None, init_adapter=str(tmp_path / "sft")))
+    full.configure_model()
+    trainable = [p for p in full.policy.parameters() if p.requires_grad]
+    assert trainable and len(trainable) == len(list(full.policy.parameters()))
+
+
 def test_init_adapter_that_is_not_an_adapter_is_refused(tiny_model_dir):
     module = SFTModule(policy=PolicySpec(name_or_path=tiny_model_dir, init_adapter=tiny_model_dir))
     with pytest.raises(FileNotFoundError, match="policy.init_adapter=.*not a PEFT adapter folder"):

@@ -229,6 +229,7 @@ def fold_adapter(model: nn.Module, path: str) -> nn.Module:
             f"policy.init_adapter={path!r} is not a PEFT adapter folder (no adapter_config.json); pass the "
             "folder --export_adapter wrote (a fully fine-tuned model goes in policy.name_or_path instead)."
         )
+    trainable = {name for name, param in model.named_parameters() if param.requires_grad}
     try:
         adapted = PeftModel.from_pretrained(model, path)
     except (RuntimeError, ValueError, KeyError) as error:
@@ -236,7 +237,12 @@ def fold_adapter(model: nn.Module, path: str) -> nn.Module:
             f"policy.init_adapter={path!r} does not fit policy.name_or_path's model ({type(error).__name__}: "
             f"{str(error).splitlines()[0][:160]}); pass an adapter trained on this base model."
         ) from error
-    return adapted.merge_and_unload()
+    merged = adapted.merge_and_unload()
+    # peft froze the base to load the adapter; give it back as it came, or full fine-tuning
+    # (policy.lora: null) on top of the folded adapter would train nothing
+    for name, param in merged.named_parameters():
+        param.requires_grad_(name in trainable)
+    return merged
 
 
 def build_policy(
