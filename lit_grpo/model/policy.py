@@ -23,9 +23,9 @@ from typing import Literal
 import torch
 from torch import nn
 
+from lit_grpo.model.activations import recompute_swiglu, share_adapter_input_casts
 from lit_grpo.model.attention import use_sdpa_gqa
 from lit_grpo.model.refusals import constructed
-from lit_grpo.model.activations import recompute_swiglu, share_adapter_input_casts
 from lit_grpo.model.stream import keep_stream_fp32
 from lit_grpo.model.sources import CONFIG, TOKENIZER, WEIGHTS, check_hub_model, check_model_folder, embedded_model_dir
 
