@@ -107,8 +107,11 @@ def _play(guesses: list[int], secret: int = 7, max_guesses: int = 4, **kwargs):
 
 
 def test_guess_number_won_in_three():
+    env, observations = _play([5, 8])
+    assert not env.done
     env, observations = _play([5, 8, 7])
     assert observations == ["higher (3 guesses left)", "lower (2 guesses left)", "correct"]
+    assert env.done  # found: the game, and the episode, are over
     assert env.get_reward() == pytest.approx(1 + 0.5 * (4 - 3) / (4 - 1))  # 1.1667
 
 
@@ -122,6 +125,7 @@ def test_guess_number_lost():
     env, observations = _play([1, 2, 3, 10, 7])
     assert observations == ["higher (3 guesses left)", "higher (2 guesses left)", "higher (1 guess left)",
                             "lower (0 guesses left)", "No guesses left: the game is over."]
+    assert env.done and not env.solved
     assert env.get_reward() == 0.0  # the fifth guess was right but refused
 
 
@@ -136,6 +140,14 @@ def test_guess_number_consistency_rewards_guesses_the_answers_allow():
     assert env.get_reward() == pytest.approx(1 + 0.5 / 3)  # off by default: the reward of before
     with pytest.raises(ValueError, match="consistency=-1"):
         GuessNumber(consistency=-1)
+
+
+def test_guess_number_show_interval_names_the_numbers_still_possible():
+    # 5 -> higher (6..10), 9 -> lower (6..8), 2 ignores the answers (6..8 stays), 7 correct
+    env, observations = _play([5, 9, 2, 7], show_interval=True)
+    assert observations == ["higher: from 6 to 10 (3 guesses left)", "lower: from 6 to 8 (2 guesses left)",
+                            "higher: from 6 to 8 (1 guess left)", "correct"]
+    assert env.get_reward() == pytest.approx(1.0)  # the same reward as without the interval
 
 
 def test_guess_number_single_guess_and_drawn_secret():

@@ -132,6 +132,44 @@ def test_max_turns_and_the_trajectory_cap_end_runaway_episodes(tiny):
     assert short.episodes[0].budget_cut and bool(short.truncated[0])
 
 
+class Game:
+    """An environment whose game is over after its first call."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def echo(self, text: str) -> str:
+        """Repeats the text, which ends the game.
+
+        Args:
+            text: What to repeat.
+        """
+        self.done = True
+        return f"echo {text}"
+
+
+def test_an_environment_that_is_done_ends_its_episode_after_that_turn(tiny):
+    model, tokenizer = tiny
+    ids, mask = prompts(tokenizer)
+    first = generate(model, tokenizer, ids, mask, SamplingSpec(max_new_tokens=16), greedy=True)
+    fmt = Scripted(tokenizer.decode(first.completion_ids[0, 2:3]))  # row 0 calls within its first 3 tokens
+
+    def play(ends: bool):
+        games = [Game() for _ in range(2)]
+        episodes = EpisodeSpec([Toolbox([game.echo]) for game in games], fmt, max_turns=3, max_episode_tokens=40,
+                               environments=games if ends else [])
+        return generate(model, tokenizer, ids, mask, SamplingSpec(max_new_tokens=16), greedy=True,
+                        episodes=episodes)
+
+    over, going_on = play(ends=True), play(ends=False)
+    record, sampled = over.episodes[0], int(over.completion_mask[0].sum())
+    assert record.turns == 1 and record.tool_calls == 1 and not record.budget_cut and not bool(over.truncated[0])
+    assert [m["role"] for m in record.messages] == ["assistant", "tool"]  # the result is recorded ...
+    assert torch.equal(over.completion_attention[0], over.completion_mask[0])  # ... and no token of it fed
+    assert 1 <= sampled <= 3 and torch.equal(over.completion_ids[0, :sampled], first.completion_ids[0, :sampled])
+    assert going_on.episodes[0].turns > 1  # without the environment's word the episode goes on
+
+
 TURN_PREFIX = "<next>call("
 
 

@@ -131,7 +131,7 @@ class EpisodeSetup:
         ids, mask = encode_prompts(tokenizer, self.prompts(datamodule, rows, resets, toolboxes[::repeat]),
                                    hp.max_prompt_length, hp.prompt_overflow)
         spec = EpisodeSpec(toolboxes, self.call_format(tokenizer), self.max_turns, self.max_episode_tokens,
-                           hp.completion_prefix, hp.turn_prefix)
+                           hp.completion_prefix, hp.turn_prefix, environments if self.factory else [])
         return ids, mask, spec, environments
 
     def call_format(self, tokenizer):

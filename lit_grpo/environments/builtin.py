@@ -164,6 +164,15 @@ class GuessNumber:
     a shaping reward for reading the answers, which a fixed sequence of
     guesses earns only where it happens to agree with them.
 
+    The game ends (:attr:`done`) at the right guess or the last allowed one,
+    and with it the episode: guesses per game are the episode's turns.
+
+    With ``show_interval``, a wrong guess is answered with that interval too
+    ("higher: from 6 to 10 (3 guesses left)"): the game's state is in its last
+    observation, as in text games that print the board, so the player need not
+    carry every earlier answer in its head. It is the same game (same secrets,
+    same reward); only the observations say more.
+
     Args:
         max_guesses: Guesses allowed per episode; later ones are refused.
         low: Smallest secret when the row has no ``low``.
@@ -171,16 +180,18 @@ class GuessNumber:
         seed: Seed of the draw for rows without a ``secret``.
         consistency: Reward for following every answer over ``M`` guesses
             (0 leaves it out).
+        show_interval: Answer a wrong guess with the interval the answers so
+            far leave open, as well as "higher" or "lower".
     """
 
     def __init__(self, max_guesses: int = 4, low: int = 1, high: int = 10, seed: int = 0,
-                 consistency: float = 0.0) -> None:
+                 consistency: float = 0.0, show_interval: bool = False) -> None:
         if max_guesses < 1:
             raise ValueError(f"GuessNumber max_guesses={max_guesses}; expected >= 1.")
         if consistency < 0:
             raise ValueError(f"GuessNumber consistency={consistency}; expected >= 0.")
         self.max_guesses, self.default_range, self.seed = max_guesses, (low, high), seed
-        self.consistency = consistency
+        self.consistency, self.show_interval = consistency, show_interval
         self.low, self.high, self.secret = low, high, low
         self.guesses, self.solved = 0, False
         self.open, self.consistent = (low, high), 0
@@ -205,7 +216,8 @@ class GuessNumber:
             number: The guess, a whole number in the game's range.
 
         Returns:
-            "higher" (the secret is larger), "lower" (it is smaller) or "correct".
+            "higher" (the secret is larger), "lower" (it is smaller) or "correct";
+            with ``show_interval``, "higher" and "lower" name the numbers still possible.
         """
         if self.solved:
             return f"correct: you already found it, {self.secret}."
@@ -218,7 +230,13 @@ class GuessNumber:
             self.solved = True
             return "correct"
         self.open = (max(low, number + 1), high) if number < self.secret else (low, min(high, number - 1))
-        return f"{'higher' if number < self.secret else 'lower'} ({_guesses(self.max_guesses - self.guesses)} left)"
+        interval = f": from {self.open[0]} to {self.open[1]}" if self.show_interval else ""
+        return f"{'higher' if number < self.secret else 'lower'}{interval} ({_guesses(self.max_guesses - self.guesses)} left)"
+
+    @property
+    def done(self) -> bool:
+        """The game is over (found, or no guesses left): the episode ends after this turn."""
+        return self.solved or self.guesses >= self.max_guesses
 
     def get_reward(self) -> float:
         """1 plus a bonus for fewer guesses when solved, else 0, plus the consistency reward (class docstring)."""

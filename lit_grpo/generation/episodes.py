@@ -8,8 +8,11 @@ results are rendered by the chat template (:meth:`CallFormat.results_text`:
 tool messages, then the next assistant header, then ``turn_prefix``) and
 appended as tokens the policy did not sample, and the model goes on. The
 episode ends on a turn without a call, at ``max_turns``, when the policy has sampled
-``sampling.max_new_tokens`` tokens (the model-token budget), or when the
-trajectory reaches ``max_episode_tokens`` (every token after the prompt).
+``sampling.max_new_tokens`` tokens (the model-token budget), when the
+trajectory reaches ``max_episode_tokens`` (every token after the prompt), or
+when a call leaves the episode's environment ``done`` (a game won or lost:
+its results join the messages, and no token follows them, since no turn
+would read them).
 
 :class:`Episodes` holds each row's state and is what both engines drive:
 
@@ -58,6 +61,9 @@ class EpisodeSpec:
             queued after the tool results, tokenized with them, as tokens the
             policy reads but did not sample (masked out of the loss like the
             results); the turn's text begins with it.
+        environments: Each row's environment, where one is configured (else
+            empty): an episode ends after the turn whose calls leave its
+            environment's ``done`` attribute ``True``.
     """
 
     toolboxes: list[Toolbox]
@@ -66,6 +72,7 @@ class EpisodeSpec:
     max_episode_tokens: int
     prefix: str = ""
     turn_prefix: str = ""
+    environments: list = field(default_factory=list)
 
 
 @dataclass
@@ -174,15 +181,26 @@ class Episodes:
         ran = dict(zip(rows, run_concurrently([(self.spec.toolboxes[row], jobs[row]) for row in rows])))
         for row, calls in jobs.items():
             results = ran[row] if row in ran else [ToolResult("error", calls, error=True)]
-            self._queue_results(row, results, calls_run=len(calls) if row in ran else 0)
+            self._record_results(row, results, calls_run=len(calls) if row in ran else 0)
+            if self._environment_done(row):
+                self.done[row] = True
+            else:
+                self._queue_results(row, results)
 
-    def _queue_results(self, row: int, results: list[ToolResult], calls_run: int) -> None:
+    def _record_results(self, row: int, results: list[ToolResult], calls_run: int) -> None:
         record = self.records[row]
         record.tool_calls += calls_run
         record.tool_errors += sum(r.error for r in results)
         record.tool_timeouts += sum(r.timed_out for r in results)
         record.tool_seconds += sum(r.seconds for r in results)
         record.messages += [{"role": "tool", "name": r.name, "content": r.content} for r in results]
+
+    def _environment_done(self, row: int) -> bool:
+        environments = self.spec.environments
+        return bool(environments) and getattr(environments[row], "done", False) is True
+
+    def _queue_results(self, row: int, results: list[ToolResult]) -> None:
+        record = self.records[row]
         text = self.spec.call_format.results_text(self.tokenizer, results) + self.spec.turn_prefix
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         self.queue[row].extend(ids[: self.width - len(self.tokens[row])])
