@@ -223,6 +223,16 @@ class Picky:
         """Private: not a tool."""
 
 
+class DoneMethod(Picky):
+    def done(self) -> bool:
+        """Whether the game is over (a method: never read as the flag, so refused).
+
+        Returns:
+            True when over.
+        """
+        return True
+
+
 def test_factory_finds_tools_and_builds_fresh_instances():
     factory = EnvironmentFactory(f"{__name__}.Picky", {"depth": 3}, timeout=2.0)
     assert factory.tool_names == ["act"] and not factory.has_reward
@@ -240,6 +250,7 @@ def test_factory_finds_tools_and_builds_fresh_instances():
     (f"{__name__}.NoTools", None, "NoTools has no tool methods"),
     (f"{__name__}.Undocumented", None, "Undocumented.act has no usable schema"),
     (f"{__name__}.Picky", {"width": 2}, "Picky(**{'width': 2}) raised TypeError"),
+    (f"{__name__}.DoneMethod", None, "DoneMethod.done is a method; make it a boolean attribute or a @property"),
 ])
 def test_factory_setup_errors(class_path, init_args, message):
     with pytest.raises(ValueError) as error:

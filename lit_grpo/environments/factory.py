@@ -22,12 +22,13 @@ from typing import Protocol, runtime_checkable
 
 from lit_grpo.environments.toolbox import Toolbox, import_object
 
-_RESERVED = ("reset", "get_reward")
+_RESERVED = ("reset", "get_reward", "done")
 
 
 @runtime_checkable
 class Environment(Protocol):
-    """TRL's environment contract: ``reset``, public tool methods, optional ``get_reward``."""
+    """TRL's environment contract: ``reset``, public tool methods, optional ``get_reward``; and
+    optionally a boolean ``done`` (attribute or property) that ends the episode when it turns true."""
 
     def reset(self, **row) -> str | None:
         """Starts an episode for ``row``; returns text appended to the last user message, or None."""
@@ -45,8 +46,9 @@ class EnvironmentFactory:
 
     Raises:
         ValueError: The class does not import, cannot be built from
-            ``init_args``, has no ``reset``, has no tool method, or a tool
-            method lacks type hints or a docstring.
+            ``init_args``, has no ``reset``, has no tool method, a tool
+            method lacks type hints or a docstring, or ``done`` (the flag
+            that ends an episode) is a method.
 
     Attributes:
         has_reward: The class defines ``get_reward`` (the environment owns a reward).
@@ -66,6 +68,9 @@ class EnvironmentFactory:
             raise ValueError(f"{field}: {class_path} has no reset(self, **row) method; an environment needs one "
                              "(it may return None).")
         self.has_reward = callable(getattr(self.cls, "get_reward", None))
+        if inspect.isfunction(getattr(self.cls, "done", None)):
+            raise ValueError(f"{field}: {class_path}.done is a method; make it a boolean attribute or a @property "
+                             "(True ends the episode after the turn's calls).")
         probe = self._instance()
         toolbox = self._toolbox(probe)
         if not toolbox.names:
