@@ -20,6 +20,10 @@ score; at the start and the end the accuracy on the 64 held-out pairs.
 SFT model (no adapter) at ``--lr``. ``--per-question K`` fills each batch with
 ``--batch / K`` questions and K of each one's slips (the same chosen reply
 against K rejected ones), so every step contrasts answers to the same questions.
+``--kinds`` trains on those slips only (``--kinds +-1``: the last digit alone);
+the held-out pairs keep every kind, and their accuracy is printed by kind.
+``--start-kinds +-1 --start-steps N`` trains the first N steps on those slips
+only, then on ``--kinds`` (a curriculum: the last digit first).
 """
 
 from __future__ import annotations
@@ -60,14 +64,17 @@ def scores(module: RewardModelModule, rows: list[dict]) -> tuple[torch.Tensor, t
 
 
 @torch.no_grad()
-def held_out_accuracy(module: RewardModelModule, rows: list[dict]) -> float:
+def held_out_accuracy(module: RewardModelModule, rows: list[dict]) -> str:
+    """Pairwise accuracy on ``rows``, over all and by kind of slip."""
     module.eval()
     wins = []
     for start in range(0, len(rows), 16):
         chosen, rejected = scores(module, rows[start:start + 16])
         wins += (chosen > rejected).tolist()
     module.train()
-    return sum(wins) / len(wins)
+    by_kind = {k: [won for row, won in zip(rows, wins) if slip(row) == k] for k in KINDS}
+    return f"{sum(wins) / len(wins):.4f} (" + ", ".join(
+        f"{k} {sum(v) / max(len(v), 1):.2f} of {len(v)}" for k, v in by_kind.items()) + ")"
 
 
 def report(step: int, history: list[tuple[str, bool, float]], mean_score: float, seconds: float) -> None:
@@ -92,6 +99,11 @@ def main() -> None:
     parser.add_argument("--r", type=int, default=16, help="LoRA rank; 0: full fine-tuning (every base weight trained)")
     parser.add_argument("--alpha", type=int, default=32)
     parser.add_argument("--per-question", type=int, default=1, help="slips of each question per batch (1-4)")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
+                        help="the slips trained on (the held-out pairs keep every kind)")
+    parser.add_argument("--start-kinds", nargs="+", choices=KINDS, default=None,
+                        help="the slips of the first --start-steps steps")
+    parser.add_argument("--start-steps", type=int, default=0)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--attn", default=None)
     parser.add_argument("--model", default="embedded")
@@ -116,7 +128,7 @@ def main() -> None:
     pick = random.Random(0)
     held_out, train = rows[:HELD_OUT], rows[HELD_OUT:]
     start = time.time()
-    print(f"held-out accuracy before: {held_out_accuracy(module, held_out):.4f}", flush=True)
+    print(f"held-out accuracy before: {held_out_accuracy(module, held_out)}", flush=True)
     history: list[tuple[str, bool, float]] = []
     for step in range(args.steps):
         done = (step - args.warmup) / max(args.steps - args.warmup, 1)
@@ -125,8 +137,10 @@ def main() -> None:
         for group, peak in zip(optimizer.param_groups, peaks):
             group["lr"] = peak * max(scale, 1e-3)
         batch = train[step * questions:(step + 1) * questions]
-        if args.per_question > 1:
-            batch = [pair for row in batch for pair in pick.sample(slips(row), args.per_question)]
+        kinds = args.start_kinds if args.start_kinds and step < args.start_steps else args.kinds
+        if args.per_question > 1 or set(kinds) != set(KINDS):
+            batch = [pair for row in batch
+                     for pair in pick.sample([s for s in slips(row) if slip(s) in kinds], args.per_question)]
         chosen, rejected = scores(module, batch)
         margin = chosen - rejected
         optimizer.zero_grad()
@@ -138,7 +152,7 @@ def main() -> None:
             mean_score = float((chosen + rejected).mean().detach()) / 2
             report(step + 1, history, mean_score, (time.time() - start) / (step + 1))
     after = held_out_accuracy(module, held_out)
-    print(f"held-out accuracy after: {after:.4f}, {time.time() - start:.0f} s", flush=True)
+    print(f"held-out accuracy after: {after}, {time.time() - start:.0f} s", flush=True)
 
 
 if __name__ == "__main__":
