@@ -20,10 +20,10 @@ score; at the start and the end the accuracy on the 64 held-out pairs.
 SFT model (no adapter) at ``--lr``. ``--per-question K`` fills each batch with
 ``--batch / K`` questions and K of each one's slips (the same chosen reply
 against K rejected ones), so every step contrasts answers to the same questions.
-``--kinds`` trains on those slips only (``--kinds +-1``: the last digit alone);
+``--kinds`` trains on those slips only (``--kinds off_by_1``: the last digit alone);
 the held-out pairs keep every kind, and their accuracy is printed by kind.
-``--start-kinds +-1 --start-steps N`` trains the first N steps on those slips
-only, then on ``--kinds`` (a curriculum: the last digit first).
+``--curriculum off_by_1:350 off_by_10:350`` trains the first 350 steps on the +-1 slips
+only, the next 350 on the +-10 slips, then on ``--kinds`` (one digit at a time).
 """
 
 from __future__ import annotations
@@ -37,17 +37,16 @@ import torch
 import torch.nn.functional as F
 
 from lit_grpo.algorithms.reward_model import RewardModelModule, pair_scores
-from lit_grpo.data.tasks import arithmetic_preferences, near_misses
+from lit_grpo.data.tasks import SLIPS, arithmetic_preferences, near_misses, slip_kind
 from lit_grpo.model.policy import LoraSpec, PolicySpec
 from lit_grpo.rewards.reward_model import encode_conversations
 
-HELD_OUT, WINDOW, KINDS = 64, 160, ("+-1", "+-10", "swap")
+HELD_OUT, WINDOW, KINDS = 64, 160, SLIPS
 
 
 def slip(row: dict) -> str:
     """Which slip the rejected reply is."""
-    right, wrong = int(row["chosen"].split("= ")[1]), int(row["rejected"].split("= ")[1])
-    return {1: "+-1", 10: "+-10"}.get(abs(right - wrong), "swap")
+    return slip_kind(int(row["chosen"].split("= ")[1]), int(row["rejected"].split("= ")[1]))
 
 
 def slips(row: dict) -> list[dict]:
@@ -101,9 +100,8 @@ def main() -> None:
     parser.add_argument("--per-question", type=int, default=1, help="slips of each question per batch (1-4)")
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
                         help="the slips trained on (the held-out pairs keep every kind)")
-    parser.add_argument("--start-kinds", nargs="+", choices=KINDS, default=None,
-                        help="the slips of the first --start-steps steps")
-    parser.add_argument("--start-steps", type=int, default=0)
+    parser.add_argument("--curriculum", nargs="+", default=[], metavar="KIND:STEPS",
+                        help="stages trained on one slip each before --kinds, e.g. off_by_1:350 off_by_10:350")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--attn", default=None)
     parser.add_argument("--model", default="embedded")
@@ -121,6 +119,13 @@ def main() -> None:
     optimizer = torch.optim.AdamW([{"params": adapter, "lr": args.lr},
                                    {"params": head, "lr": args.head_lr or args.lr}], weight_decay=0.0)
     peaks = [group["lr"] for group in optimizer.param_groups]
+    stages, end = [], 0  # (kinds, the step the stage ends at)
+    for stage in args.curriculum:
+        kind, _, steps = stage.rpartition(":")
+        if kind not in KINDS or not steps.isdigit():
+            parser.error(f"--curriculum {stage!r}: expected KIND:STEPS with KIND one of {KINDS}")
+        end += int(steps)
+        stages.append(([kind], end))
     questions = args.batch // args.per_question
     if not 1 <= args.per_question <= 4 or questions * args.per_question != args.batch:
         parser.error(f"--per-question={args.per_question}: expected 1 to 4 dividing --batch={args.batch}")
@@ -137,7 +142,7 @@ def main() -> None:
         for group, peak in zip(optimizer.param_groups, peaks):
             group["lr"] = peak * max(scale, 1e-3)
         batch = train[step * questions:(step + 1) * questions]
-        kinds = args.start_kinds if args.start_kinds and step < args.start_steps else args.kinds
+        kinds = next((stage for stage, end in stages if step < end), args.kinds)
         if args.per_question > 1 or set(kinds) != set(KINDS):
             batch = [pair for row in batch
                      for pair in pick.sample([s for s in slips(row) if slip(s) in kinds], args.per_question)]

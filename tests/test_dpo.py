@@ -13,7 +13,7 @@ import yaml
 
 from lit_grpo.algorithms.dpo import DPOModule
 from lit_grpo.data.preferences import PreferenceDataModule, encode_completions
-from lit_grpo.data.tasks import arithmetic, arithmetic_preferences
+from lit_grpo.data.tasks import SLIPS, arithmetic, arithmetic_preferences, slip_kind
 from lit_grpo.objectives import dpo_loss, sequence_logps
 from lit_grpo.model.policy import LoraSpec, PolicySpec
 
@@ -102,6 +102,19 @@ def test_arithmetic_preferences_pairs():
         swapped = right[:-2] + right[-1] + right[-2]  # 85 -> 58, 122 -> 122 (no slip)
         slips = ({str(a + b + d) for d in (1, -1, 10, -10)} | {str(int(swapped))}) - {right}
         assert row["rejected"].removeprefix(f"{a} + {b} = ") in slips
+
+
+def test_arithmetic_preferences_draw_the_slips_asked_for():
+    every = arithmetic_preferences(200, seed=3, ops="+")
+    assert arithmetic_preferences(200, seed=3, ops="+", slips=list(SLIPS)) == every  # the default, draw for draw
+    for kinds in (["off_by_1"], ["off_by_10"], ["off_by_1", "swapped"]):
+        rows = arithmetic_preferences(200, seed=3, ops="+", slips=kinds)
+        assert [r["prompt"] for r in rows] == [r["prompt"] for r in every]  # the same questions
+        drawn = {slip_kind(int(r["answer"]), int(r["rejected"].split("= ")[1])) for r in rows}
+        assert drawn == set(kinds)
+    assert slip_kind(85, 86) == "off_by_1" and slip_kind(85, 75) == "off_by_10" and slip_kind(85, 58) == "swapped"
+    with pytest.raises(ValueError, match=r"slips=\['off_by_2'\]; expected a non-empty list"):
+        arithmetic_preferences(5, seed=0, slips=["off_by_2"])
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> str:

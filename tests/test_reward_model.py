@@ -110,6 +110,27 @@ def trained_rm(tmp_path_factory, tiny_model_dir):
     return module, data, folder
 
 
+def test_head_lr_is_a_parameter_group_of_its_own_that_a_scheduler_keeps_in_ratio(tiny_model_dir):
+    module = RewardModelModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8)),
+                               optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4), head_lr=1e-3,
+                               scheduler=lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=10))
+    module.configure_model()
+    configured = module.configure_optimizers()
+    optimizer, scheduler = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
+    backbone, head = optimizer.param_groups
+    assert head["params"] == [module.reward_head.weight] and backbone["lr"] == 1e-4 and head["lr"] == 1e-3
+    assert len(backbone["params"]) + 1 == len(module.trainable_parameters())
+    for _ in range(4):
+        optimizer.step()
+        scheduler.step()
+    assert head["lr"] < 1e-3 and head["lr"] == pytest.approx(10 * backbone["lr"])
+    plain = RewardModelModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8)))
+    plain.configure_model()
+    assert len(plain.configure_optimizers().param_groups) == 1  # without head_lr: one group, as before
+    with pytest.raises(ValueError, match=r"model.head_lr=0.0; expected a learning rate > 0"):
+        RewardModelModule(head_lr=0.0)
+
+
 def test_full_fine_tuned_reward_model_learns_the_pairs(tiny_model_dir):
     # 8 pairs seen 30 times over, validated on the same 8: every pair must end up ranked right.
     L.seed_everything(0)

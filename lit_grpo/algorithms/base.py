@@ -109,8 +109,12 @@ class PolicyModule(L.LightningModule):
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.policy.parameters() if p.requires_grad]
 
+    def optimizer_groups(self) -> list:
+        """What the optimizer trains: the trainable parameters, or parameter groups of them."""
+        return self.trainable_parameters()
+
     def configure_optimizers(self):
-        params = self.trainable_parameters()
+        params = self.optimizer_groups()
         optimizer = (
             constructed("model.optimizer.init_args", self.optimizer_factory, params) if self.optimizer_factory
             else torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0)

@@ -57,6 +57,9 @@ class RewardModelModule(SupervisedModule):
         max_nonfinite_steps: Consecutive optimizer steps with a NaN/inf
             gradient that are skipped before training stops with an error.
         progress: Print the validation metrics before training and after each validation.
+        head_lr: Learning rate of the scalar head, a parameter group of its own
+            (a scheduler that scales every group's rate, such as cosine
+            annealing, keeps the ratio); ``None``: the optimizer's rate.
     """
 
     shown_metrics = ("val/loss", "val/accuracy", "val/margin")
@@ -68,8 +71,11 @@ class RewardModelModule(SupervisedModule):
         scheduler: LRSchedulerCallable | None = None,
         max_nonfinite_steps: int = 3,
         progress: bool = True,
+        head_lr: float | None = None,
     ) -> None:
         super().__init__(policy, optimizer, scheduler, max_nonfinite_steps)
+        if head_lr is not None and not head_lr > 0:
+            raise ValueError(f"model.head_lr={head_lr!r}; expected a learning rate > 0, or null for the optimizer's.")
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self.reward_head: nn.Linear | None = None
 
@@ -85,6 +91,12 @@ class RewardModelModule(SupervisedModule):
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return super().trainable_parameters() + list(self.reward_head.parameters())
+
+    def optimizer_groups(self) -> list:
+        if self.hparams.head_lr is None:
+            return self.trainable_parameters()
+        return [{"params": super().trainable_parameters()},
+                {"params": list(self.reward_head.parameters()), "lr": self.hparams.head_lr}]
 
     def scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """``[N]`` float32 reward of each conversation."""

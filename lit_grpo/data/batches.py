@@ -16,7 +16,34 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
+
+
+def staged_order(sizes: list[int], generator: torch.Generator) -> list[int]:
+    """Indices of consecutive blocks of ``sizes`` rows: the blocks in order, each one shuffled."""
+    order, start = [], 0
+    for size in sizes:
+        order += (start + torch.randperm(size, generator=generator)).tolist()
+        start += size
+    return order
+
+
+class StagedSampler(Sampler):
+    """Rows in :func:`staged_order`, a fresh shuffle within each block every epoch (a curriculum).
+
+    Args:
+        sizes: Rows per block (stage).
+        generator: Draws every epoch's shuffles.
+    """
+
+    def __init__(self, sizes: list[int], generator: torch.Generator) -> None:
+        self.sizes, self.generator = list(sizes), generator
+
+    def __len__(self) -> int:
+        return sum(self.sizes)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(staged_order(self.sizes, self.generator))
 
 
 class EpochSampler(DistributedSampler):
@@ -29,17 +56,28 @@ class EpochSampler(DistributedSampler):
         rank: Which one this is.
         seed: Seed of the order.
         start_batch: ``epoch -> batches to skip``, asked when an epoch starts.
+        stages: Rows per stage of a curriculum (consecutive blocks of ``rows``):
+            the epoch goes through them in order, each shuffled (:func:`staged_order`),
+            and the ranks share every stage; ``None`` shuffles all the rows together.
     """
 
     def __init__(self, rows, batch_size: int, world: int, rank: int, seed: int,
-                 start_batch: Callable[[int], int]) -> None:
+                 start_batch: Callable[[int], int], stages: list[int] | None = None) -> None:
         super().__init__(rows, num_replicas=world, rank=rank, shuffle=True, seed=seed)
         self.batch_size = batch_size
         self.start_batch = start_batch  # epoch -> batches of it already trained
+        self.stages = stages
 
     def __iter__(self) -> Iterator[int]:
         start = self.start_batch(self.epoch)
-        return iter(list(super().__iter__())[start * self.batch_size :])
+        return iter(self._indices()[start * self.batch_size :])
+
+    def _indices(self) -> list[int]:
+        if self.stages is None:
+            return list(super().__iter__())
+        order = staged_order(self.stages, torch.Generator().manual_seed(self.seed + self.epoch))
+        order += order[: self.total_size - len(order)]  # as DistributedSampler pads: every rank the same count
+        return order[self.rank : self.total_size : self.num_replicas]
 
 
 class ResumableBatches:
@@ -50,11 +88,13 @@ class ResumableBatches:
     trained_batches: int = 0  # batches of the current epoch started so far
     _resume: dict | None = None
 
-    def resumable_loader(self, rows: list, batch_size: int, collate: Callable) -> DataLoader:
-        """A training DataLoader over ``rows`` whose order is fixed by the seed and the epoch."""
+    def resumable_loader(self, rows: list, batch_size: int, collate: Callable,
+                         stages: list[int] | None = None) -> DataLoader:
+        """A training DataLoader over ``rows`` whose order is fixed by the seed and the epoch
+        (``stages``: a curriculum's blocks, see :class:`EpochSampler`)."""
         trainer = self.trainer
         world, rank = (trainer.world_size, trainer.global_rank) if trainer else (1, 0)
-        self.sampler = EpochSampler(rows, batch_size, world, rank, self.hparams.seed, self._start_batch)
+        self.sampler = EpochSampler(rows, batch_size, world, rank, self.hparams.seed, self._start_batch, stages)
         return DataLoader(rows, batch_size=batch_size, sampler=self.sampler, collate_fn=collate)
 
     def _start_batch(self, epoch: int) -> int:

@@ -22,8 +22,9 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+from lit_grpo.data.batches import StagedSampler
 from lit_grpo.data.prompts import chat_prompts
-from lit_grpo.data.sources import load_rows, rename_columns, split_rows
+from lit_grpo.data.sources import curriculum_rows, load_rows, rename_columns, split_rows
 from lit_grpo.generation.rollout import encode_prompts
 
 _PAIR_COLUMNS = ("prompt", "chosen", "rejected")
@@ -58,6 +59,12 @@ class PreferenceDataModule(L.LightningDataModule):
         batch_size: Preference pairs per micro-batch (2x rows per forward pass).
         val_batch_size: Pairs per validation batch.
         seed: Seed of a built-in task's generator and of the shuffling.
+        curriculum: Training stages of a built-in task, trained in order:
+            ``[{size: 2800, task_args: {slips: [off_by_1]}}, {}]``. Each stage
+            generates ``size`` new pairs with ``task_args`` updated by its own
+            (the last may leave out ``size`` and take the rest of
+            ``train_size``); each epoch shuffles the pairs within a stage,
+            never across stages. The held-out pairs stay ``task_args``'.
     """
 
     def __init__(
@@ -78,6 +85,7 @@ class PreferenceDataModule(L.LightningDataModule):
         batch_size: int = 8,
         val_batch_size: int = 16,
         seed: int = 0,
+        curriculum: list[dict] | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -89,6 +97,7 @@ class PreferenceDataModule(L.LightningDataModule):
             raise ValueError(f"data.prompt_template={prompt_template!r} must contain '{{prompt}}'.")
         self.train_rows: list[dict] = []
         self.val_rows: list[dict] = []
+        self.stage_sizes: list[int] | None = None  # consecutive blocks of train_rows, trained in order
 
     # ----------------------------------------------------------------- set-up
     def setup(self, stage: str | None = None) -> None:
@@ -97,10 +106,20 @@ class PreferenceDataModule(L.LightningDataModule):
         hp = self.hparams
         self.train_rows, self.val_rows = split_rows(self._load, hp.source, hp.split, hp.val_split, hp.train_size,
                                                     hp.val_size)
+        if hp.curriculum:
+            stages = [self._checked(rows, "train") for rows in curriculum_rows(
+                hp.source, hp.curriculum, hp.task_args, hp.seed, hp.train_size, self.val_rows)]
+            self.train_rows = [row for rows in stages for row in rows]
+            self.stage_sizes = [len(rows) for rows in stages]
 
     def _load(self, split: str, size: int) -> list[dict]:
         hp = self.hparams
-        rows = rename_columns(load_rows(hp.source, split, hp.task_args, hp.seed, size), hp.columns or {}, hp.source)
+        return self._checked(load_rows(hp.source, split, hp.task_args, hp.seed, size), split)
+
+    def _checked(self, raw: list[dict], split: str) -> list[dict]:
+        """``raw`` rows under our column names, refused early if a pair is unusable."""
+        hp = self.hparams
+        rows = rename_columns(raw, hp.columns or {}, hp.source)
         missing = [name for name in _PAIR_COLUMNS if name not in rows[0]]
         if missing:
             raise ValueError(
@@ -122,6 +141,9 @@ class PreferenceDataModule(L.LightningDataModule):
     # ---------------------------------------------------------------- loaders
     def train_dataloader(self) -> DataLoader:
         generator = torch.Generator().manual_seed(self.hparams.seed)
+        if self.stage_sizes:
+            return DataLoader(self.train_rows, batch_size=self.hparams.batch_size,
+                              sampler=StagedSampler(self.stage_sizes, generator), collate_fn=self.collate)
         return DataLoader(self.train_rows, batch_size=self.hparams.batch_size, shuffle=True,
                           generator=generator, collate_fn=self.collate)
 

@@ -25,7 +25,7 @@ class RewardDataModule(ResumableBatches, PreferenceDataModule):
     a conversation is at most ``max_prompt_length + max_completion_length`` tokens, keeping its end)."""
 
     def train_dataloader(self) -> DataLoader:
-        return self.resumable_loader(self.train_rows, self.hparams.batch_size, self.collate)
+        return self.resumable_loader(self.train_rows, self.hparams.batch_size, self.collate, self.stage_sizes)
 
     def collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         """Tokenize B pairs into 2B conversations, chosen first."""

@@ -109,6 +109,54 @@ def mixed_task(source: str, mix: list[dict], seed: int, size: int) -> list[dict]
     return list(rows.values())
 
 
+def curriculum_rows(source: str, stages: list[dict], task_args: dict | list[dict] | None, seed: int,
+                    train_size: int, taken: list[dict]) -> list[list[dict]]:
+    """The training rows of ``data.curriculum``, stage by stage (raw rows, dataset column names).
+
+    Stage ``i`` is ``{"size": rows, "task_args": {...}}``: ``size`` rows of the
+    built-in task generated with ``task_args`` updated by the stage's, with seed
+    ``seed + 1 + i``, none of whose prompts is ``taken``'s or an earlier stage's.
+    The last stage may leave out ``size``: it takes the rest of ``train_size``.
+
+    Raises:
+        ValueError: ``source`` is not a built-in task, ``task_args`` is a mix,
+            a stage is malformed, the sizes do not add up to ``train_size``, or
+            the task has too few new questions for a stage; the message names
+            ``data.curriculum[i]``.
+    """
+    if source not in TASKS:
+        raise ValueError(f"data.curriculum needs a built-in task {sorted(TASKS)} as data.source, not {source!r}: "
+                         "its stages are generated with their own task options.")
+    if isinstance(task_args, list):
+        raise ValueError("data.curriculum with data.task_args as a mix (a list) is not supported; give "
+                         "data.task_args one set of options and each stage its own.")
+    sizes = []
+    for i, stage in enumerate(stages):
+        last = i == len(stages) - 1
+        unknown = sorted(set(stage) - {"size", "task_args"}) if isinstance(stage, dict) else None
+        size = stage.get("size") if isinstance(stage, dict) else None
+        if unknown or not isinstance(stage.get("task_args", {}), dict) or (
+                size is None and not last) or (size is not None and (not isinstance(size, int) or size < 1)):
+            raise ValueError(f"data.curriculum[{i}]={stage!r}; expected {{size: rows, task_args: {{...}}}} with "
+                             "size >= 1 (only the last stage may leave size out: it takes the rest of "
+                             "data.train_size).")
+        sizes.append(size if size is not None else train_size - sum(sizes))
+    if sizes[-1] < 1 or sum(sizes) != train_size:
+        raise ValueError(f"data.curriculum: the stages' sizes {sizes} add up to {sum(sizes)}, not "
+                         f"data.train_size={train_size}; make them add up (or leave out the last stage's size).")
+    seen, rows = {row["prompt"] for row in taken}, []
+    for i, (stage, size) in enumerate(zip(stages, sizes)):
+        options = {**(task_args or {}), **stage.get("task_args", {})}
+        try:  # `size` more than are taken: at least `size` of them are new
+            raw = TASKS[source](n=size + len(seen), seed=seed + 1 + i, **options)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"data.curriculum[{i}]: {source} with {options!r}: {error}") from None
+        fresh = [row for row in raw if row["prompt"] not in seen][:size]
+        seen.update(row["prompt"] for row in fresh)
+        rows.append(fresh)
+    return rows
+
+
 def check_slices(source: str, slices: dict[str, dict]) -> None:
     """Refuse a malformed ``data.val_slices``; warn that a source other than a built-in task ignores them.
 

@@ -44,7 +44,13 @@ def arithmetic(n: int, seed: int, digits: int | list[int] = 2, ops: str = "+-*")
     ]
 
 
-def arithmetic_preferences(n: int, seed: int, digits: int | list[int] = 2, ops: str = "+-*") -> list[dict]:
+SLIPS = ("off_by_1", "off_by_10", "swapped")
+"""The kinds of near miss :func:`arithmetic_preferences` rejects: the last digit off by one,
+the tens digit off by one, the last two digits swapped."""
+
+
+def arithmetic_preferences(n: int, seed: int, digits: int | list[int] = 2, ops: str = "+-*",
+                           slips: list[str] | None = None) -> list[dict]:
     """Generate ``n`` arithmetic preference pairs: a right and a wrong answer.
 
     The questions are those of :func:`arithmetic` with the same arguments.
@@ -56,18 +62,26 @@ def arithmetic_preferences(n: int, seed: int, digits: int | list[int] = 2, ops: 
         seed: Random seed; the same seed gives the same rows.
         digits: Digits per operand (2 gives 10..99), or ``[digits of A, digits of B]``.
         ops: Which of ``+ - *`` to draw from.
+        slips: The kinds of slip to draw from (:data:`SLIPS`); all by default. An
+            answer that has none of them (``swapped`` alone, and equal digits) gets any.
 
     Returns:
         Rows with ``prompt``, ``chosen``, ``rejected`` and ``answer``.
     """
+    unknown = sorted(set(slips or ()) - set(SLIPS))
+    if slips is not None and (unknown or not slips):
+        raise ValueError(f"arithmetic_preferences slips={slips!r}; expected a non-empty list drawn from {SLIPS}.")
     rng = random.Random(seed + 1)  # a stream of its own: questions stay those of `arithmetic`
     rows = []
     for a, op, b in _operands(n, seed, digits, ops):
         right = _OPS[op](a, b)
+        wrong = near_misses(right)
+        if slips:
+            wrong = [w for w in wrong if slip_kind(right, w) in slips] or wrong
         rows.append({
             "prompt": f"What is {a} {op} {b}?",
             "chosen": f"{a} {op} {b} = {right}",
-            "rejected": f"{a} {op} {b} = {_slip(right, rng)}",
+            "rejected": f"{a} {op} {b} = {rng.choice(wrong)}",
             "answer": str(right),
         })
     return rows
@@ -92,9 +106,9 @@ def near_misses(right: int) -> list[int]:
     return sorted({right + 1, right - 1, right + 10, right - 10, swapped} - {right})
 
 
-def _slip(right: int, rng: random.Random) -> int:
-    """A wrong result close to ``right``, drawn from :func:`near_misses`."""
-    return rng.choice(near_misses(right))
+def slip_kind(right: int, wrong: int) -> str:
+    """Which of :data:`SLIPS` the near miss ``wrong`` of ``right`` is (a swap differs by a multiple of 9)."""
+    return {1: "off_by_1", 10: "off_by_10"}.get(abs(right - wrong), "swapped")
 
 
 class TooFewQuestions(ValueError):
