@@ -9,7 +9,8 @@ from lit_grpo.data.preferences import PreferenceDataModule
 from lit_grpo.data.reward_pairs import RewardDataModule
 from lit_grpo.data.tasks import slip_kind
 
-STAGES = [{"size": 16, "task_args": {"slips": ["off_by_1"]}}, {"size": 16, "task_args": {"slips": ["off_by_10"]}}, {}]
+STAGES = [{"share": 0.4, "task_args": {"slips": ["off_by_1"]}}, {"share": 0.4, "task_args": {"slips": ["off_by_10"]}},
+          {}]
 
 
 def kinds(rows: list[dict]) -> set[str]:
@@ -61,10 +62,13 @@ def test_dpo_batches_follow_the_stages_too():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"source": "pairs.jsonl", "task_args": None}, "data.curriculum needs a built-in task"),
-    ({"curriculum": [{"size": 16}, {"size": 16}]}, "add up to 32, not data.train_size=40"),
+    ({"curriculum": [{"share": 0.8}, {"share": 0.4}, {}]}, r"data.curriculum\[1\]=.* gets 16 of data.train_size=40"),
+    ({"curriculum": [{"share": 0.5}, {"share": 0.5}, {}]}, r"data.curriculum\[2\]=\{\} gets 0 of"),
     ({"curriculum": [{"task_args": {}}, {}]}, r"data.curriculum\[0\]=\{'task_args': \{\}\}; expected"),
-    ({"curriculum": [{"size": 40, "slips": ["off_by_1"]}]}, r"data.curriculum\[0\]=.*expected"),
-    ({"curriculum": [{"size": 8, "task_args": {"slips": ["off_by_2"]}}, {}]},
+    ({"curriculum": [{"share": 1.5}, {}]}, r"data.curriculum\[0\]=.*0 < share < 1"),
+    ({"curriculum": [{"share": 0.5}, {"share": 0.5}]}, r"data.curriculum\[1\]=.*no share on the last stage"),
+    ({"curriculum": [{"share": 0.5, "slips": ["off_by_1"]}, {}]}, r"data.curriculum\[0\]=.*expected"),
+    ({"curriculum": [{"share": 0.2, "task_args": {"slips": ["off_by_2"]}}, {}]},
      r"data.curriculum\[0\]: arithmetic_preferences with .* slips=\['off_by_2'\]"),
     ({"task_args": [{"digits": 2}, {"digits": 3}]}, "task_args as a mix"),
 ])

@@ -60,10 +60,10 @@ class PreferenceDataModule(L.LightningDataModule):
         val_batch_size: Pairs per validation batch.
         seed: Seed of a built-in task's generator and of the shuffling.
         curriculum: Training stages of a built-in task, trained in order:
-            ``[{size: 2800, task_args: {slips: [off_by_1]}}, {}]``. Each stage
-            generates ``size`` new pairs with ``task_args`` updated by its own
-            (the last may leave out ``size`` and take the rest of
-            ``train_size``); each epoch shuffles the pairs within a stage,
+            ``[{share: 0.35, task_args: {slips: [off_by_1]}}, {}]``. Each stage
+            generates its ``share`` of ``train_size`` in new pairs with
+            ``task_args`` updated by its own (the last has no ``share``: it
+            takes the rest); each epoch shuffles the pairs within a stage,
             never across stages. The held-out pairs stay ``task_args``'.
     """
 

@@ -113,16 +113,17 @@ def curriculum_rows(source: str, stages: list[dict], task_args: dict | list[dict
                     train_size: int, taken: list[dict]) -> list[list[dict]]:
     """The training rows of ``data.curriculum``, stage by stage (raw rows, dataset column names).
 
-    Stage ``i`` is ``{"size": rows, "task_args": {...}}``: ``size`` rows of the
-    built-in task generated with ``task_args`` updated by the stage's, with seed
-    ``seed + 1 + i``, none of whose prompts is ``taken``'s or an earlier stage's.
-    The last stage may leave out ``size``: it takes the rest of ``train_size``.
+    Stage ``i`` is ``{"share": fraction, "task_args": {...}}``: ``share`` of
+    ``train_size`` rows (rounded; the last stage has no ``share``: it takes
+    the rest) of the built-in task generated with ``task_args`` updated
+    by the stage's, with seed ``seed + 1 + i``, none of whose prompts is
+    ``taken``'s or an earlier stage's. Shares, not row counts, so a config
+    keeps its shape when ``train_size`` is changed.
 
     Raises:
         ValueError: ``source`` is not a built-in task, ``task_args`` is a mix,
-            a stage is malformed, the sizes do not add up to ``train_size``, or
-            the task has too few new questions for a stage; the message names
-            ``data.curriculum[i]``.
+            a stage is malformed or gets no row, or the task has too few new
+            questions for a stage; the message names ``data.curriculum[i]``.
     """
     if source not in TASKS:
         raise ValueError(f"data.curriculum needs a built-in task {sorted(TASKS)} as data.source, not {source!r}: "
@@ -133,17 +134,18 @@ def curriculum_rows(source: str, stages: list[dict], task_args: dict | list[dict
     sizes = []
     for i, stage in enumerate(stages):
         last = i == len(stages) - 1
-        unknown = sorted(set(stage) - {"size", "task_args"}) if isinstance(stage, dict) else None
-        size = stage.get("size") if isinstance(stage, dict) else None
-        if unknown or not isinstance(stage.get("task_args", {}), dict) or (
-                size is None and not last) or (size is not None and (not isinstance(size, int) or size < 1)):
-            raise ValueError(f"data.curriculum[{i}]={stage!r}; expected {{size: rows, task_args: {{...}}}} with "
-                             "size >= 1 (only the last stage may leave size out: it takes the rest of "
-                             "data.train_size).")
-        sizes.append(size if size is not None else train_size - sum(sizes))
-    if sizes[-1] < 1 or sum(sizes) != train_size:
-        raise ValueError(f"data.curriculum: the stages' sizes {sizes} add up to {sum(sizes)}, not "
-                         f"data.train_size={train_size}; make them add up (or leave out the last stage's size).")
+        share = stage.get("share") if isinstance(stage, dict) else None
+        if not isinstance(stage, dict) or set(stage) - {"share", "task_args"} or not isinstance(
+                stage.get("task_args", {}), dict) or (share is None) != last or (
+                share is not None and not (type(share) in (int, float) and 0 < share < 1)):
+            raise ValueError(f"data.curriculum[{i}]={stage!r}; expected {{share: fraction of data.train_size, "
+                             "task_args: {...}}} with 0 < share < 1, and no share on the last stage (it takes the "
+                             "rest).")
+        sizes.append(round(share * train_size) if share is not None else train_size - sum(sizes))
+        if sizes[-1] < 1 or sum(sizes) > train_size:
+            raise ValueError(f"data.curriculum[{i}]={stage!r} gets {sizes[-1]} of data.train_size={train_size} "
+                             f"rows ({sum(sizes)} so far); every stage needs at least one and the shares at most 1 "
+                             "in all.")
     seen, rows = {row["prompt"] for row in taken}, []
     for i, (stage, size) in enumerate(zip(stages, sizes)):
         options = {**(task_args or {}), **stage.get("task_args", {})}
