@@ -202,6 +202,17 @@ def test_user_built_trainer_with_own_logger_and_callbacks(tmp_path, tiny_model_d
     assert (Path(logger.log_dir) / "samples.jsonl").exists()
 
 
+@pytest.mark.parametrize("enabled", [True, False])
+def test_rollout_progress_bars_follow_the_trainers(enabled, tmp_path):
+    module = GRPOModule(progress=True)
+    module.trainer = L.Trainer(accelerator="cpu", enable_progress_bar=enabled, logger=False,
+                               enable_checkpointing=False, default_root_dir=tmp_path)
+    bar = module.show_progress("rollout 1", 4)
+    assert (bar is not None) == enabled
+    if bar is not None:
+        bar.close()
+
+
 @pytest.mark.integration
 def test_embedded_model_trains_two_epochs(tmp_path):
     module = GRPOModule(progress=False)

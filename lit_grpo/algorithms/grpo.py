@@ -76,7 +76,9 @@ class GRPOModule(PolicyModule):
             gradient that are skipped before training stops with an error.
         log_samples: Sample completions written per epoch to
             ``samples.jsonl`` in the log directory.
-        progress: Show progress bars for rollout generation.
+        progress: Show progress bars for rollout generation (only where the
+            trainer shows its own, ``trainer.enable_progress_bar``) and a
+            line per epoch with its reward, accuracy and time.
         validate_before_training: Score the validation prompts (and each
             ``data.val_slices`` slice) once before the first step (logged as
             ``val/accuracy``, ``val/<slice>/accuracy`` at step 0), so the gain is visible.
@@ -172,7 +174,8 @@ class GRPOModule(PolicyModule):
 
     def show_progress(self, description: str, total: int | None = None):
         """A progress bar (decoding steps) for a rollout phase on rank 0, or ``None``."""
-        if not self.hparams.progress or self.global_rank != 0:
+        shown = self._trainer is None or self._trainer.progress_bar_callback is not None
+        if not (self.hparams.progress and shown) or self.global_rank != 0:
             return None
         return tqdm(desc=description, total=total, unit="step", leave=False, dynamic_ncols=True)
 
