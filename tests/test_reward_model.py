@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from lit_grpo.algorithms.grpo import GRPOModule
-from lit_grpo.algorithms.reward_model import RewardModelModule, pair_scores
+from lit_grpo.algorithms.reward_model import RewardModelModule, pair_loss, pair_scores, suffix_scores
 from lit_grpo.data.preferences import PreferenceDataModule
 from lit_grpo.data.reward_pairs import RewardDataModule
 from lit_grpo.objectives import bradley_terry_loss
@@ -85,6 +85,50 @@ def test_pair_scores_equal_a_full_pass_per_row_with_their_gradients(tiny_model_d
     torch.testing.assert_close(shared, full, atol=1e-5, rtol=1e-4)
     for a, b in zip(shared_grads, full_grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+@pytest.mark.parametrize("batch", sorted(PAIR_BATCHES))
+def test_suffix_scores_are_the_heads_scores_of_a_full_pass_from_each_pairs_first_difference(
+        tiny_model_dir, checkpointed, batch):
+    torch.manual_seed(0)
+    module = RewardModelModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8),
+                                                 gradient_checkpointing=checkpointed))
+    module.configure_model()
+    for p in module.trainable_parameters():
+        p.data.normal_(0, 0.05)
+    prompts, chosen, rejected = zip(*PAIR_BATCHES[batch])
+    ids, mask = encode_conversations(module.tokenizer, list(prompts) * 2, [*chosen, *rejected], None, None)
+    with torch.no_grad():
+        every, lengths = suffix_scores(module.policy, module.reward_head, ids, mask, module.tokenizer.pad_token_id)
+        hidden = module.policy.get_base_model().get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+        full = module.reward_head(hidden).squeeze(-1)  # [2B, T] the head at every token of one pass per row
+    B, ends = len(chosen), mask.sum(-1).tolist()
+    for i, (end, n) in enumerate(zip(ends, lengths.tolist())):
+        start, pair = end - n, (i % B, i % B + B)
+        # the suffix starts at the pair's first differing token (or the shorter row's last, when one is a prefix)
+        assert ids[pair[0], :start].tolist() == ids[pair[1], :start].tolist()
+        assert start == min(ends[pair[0]], ends[pair[1]]) - 1 or ids[pair[0], start] != ids[pair[1], start]
+        torch.testing.assert_close(every[i, :n], full[i, start:end], atol=1e-5, rtol=1e-4)
+
+
+def test_pair_loss_adds_the_loss_of_every_token_both_replies_have_against_a_naive_reference():
+    generator = torch.Generator().manual_seed(0)
+    every = torch.randn(4, 5, generator=generator) * 2  # B = 2 pairs, chosen rows first
+    lengths = torch.tensor([3, 2, 5, 4])  # pair 0: 3 and 5 tokens from the first difference, pair 1: 2 and 4
+    last = [every[i, n - 1].item() for i, n in enumerate(lengths.tolist())]
+    pairs = [(every[0, k].item(), every[2, k].item()) for k in range(3)] + [(every[1, k].item(), every[3, k].item())
+                                                                           for k in range(2)]
+    naive_last = sum(math.log(1 + math.exp(-(c - r))) for c, r in zip(last[:2], last[2:])) / 2
+    naive_tokens = sum(math.log(1 + math.exp(-(c - r))) for c, r in pairs) / len(pairs)
+    torch.testing.assert_close(pair_loss(every, lengths).loss, torch.tensor(naive_last))
+    out = pair_loss(every, lengths, suffix_weight=0.5)
+    torch.testing.assert_close(out.loss, torch.tensor(naive_last + 0.5 * naive_tokens))
+    torch.testing.assert_close(out.metrics["suffix_accuracy"], torch.tensor(sum(c > r for c, r in pairs) / len(pairs)))
+    torch.testing.assert_close(out.metrics["accuracy"], torch.tensor(float(last[0] > last[2]) / 2
+                                                                    + float(last[1] > last[3]) / 2))
+    with pytest.raises(ValueError, match=r"model.suffix_weight=-1.0; expected a weight >= 0"):
+        RewardModelModule(suffix_weight=-1.0)
 
 
 def test_equal_chosen_and_rejected_is_named(tmp_path):

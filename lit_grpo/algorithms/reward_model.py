@@ -60,6 +60,13 @@ class RewardModelModule(SupervisedModule):
         head_lr: Learning rate of the scalar head, a parameter group of its own
             (a scheduler that scales every group's rate, such as cosine
             annealing, keeps the ratio); ``None``: the optimizer's rate.
+        suffix_weight: Weight of a second Bradley-Terry loss on the head's scores at
+            every token from a pair's first differing one (the chosen reply's n-th
+            token of its own against the rejected one's n-th), added to the loss on
+            the conversations' scores: "the reply has gone wrong" is taught where it
+            happens, a short path through the network, rather than only at the last
+            token. The score, the validation accuracy and the export stay the last
+            token's; ``0``: that loss alone (InstructGPT's, TRL's).
     """
 
     shown_metrics = ("val/loss", "val/accuracy", "val/margin")
@@ -72,10 +79,13 @@ class RewardModelModule(SupervisedModule):
         max_nonfinite_steps: int = 3,
         progress: bool = True,
         head_lr: float | None = None,
+        suffix_weight: float = 0.0,
     ) -> None:
         super().__init__(policy, optimizer, scheduler, max_nonfinite_steps)
         if head_lr is not None and not head_lr > 0:
             raise ValueError(f"model.head_lr={head_lr!r}; expected a learning rate > 0, or null for the optimizer's.")
+        if not suffix_weight >= 0:
+            raise ValueError(f"model.suffix_weight={suffix_weight!r}; expected a weight >= 0 (0: the last token only).")
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self.reward_head: nn.Linear | None = None
 
@@ -104,10 +114,9 @@ class RewardModelModule(SupervisedModule):
                                self.tokenizer.pad_token_id)
 
     def batch_loss(self, batch: dict) -> LossOutput:
-        scores = pair_scores(self.policy, self.reward_head, batch["input_ids"], batch["attention_mask"],
-                             self.tokenizer.pad_token_id)  # [2B], each pair's shared prefix run once
-        chosen, rejected = scores.chunk(2)  # [B], [B]
-        return bradley_terry_loss(chosen, rejected)
+        every, lengths = suffix_scores(self.policy, self.reward_head, batch["input_ids"], batch["attention_mask"],
+                                       self.tokenizer.pad_token_id)  # [2B, S], [2B]: each pair's prefix run once
+        return pair_loss(every, lengths, self.hparams.suffix_weight)
 
     def batch_rows(self, batch: dict) -> int:
         return batch["input_ids"].shape[0] // 2  # pairs
@@ -169,41 +178,78 @@ def pair_scores(model: nn.Module, head: nn.Linear, input_ids: torch.Tensor, atte
     """:func:`~lit_grpo.rewards.reward_model.backbone_scores` of B pairs, the tokens rows share run once.
 
     ``input_ids``/``attention_mask`` ``[2B, T]`` are right-padded conversations, chosen first
-    (:class:`~lit_grpo.data.reward_pairs.RewardDataModule`). A pair's conversations agree up to
-    the reply's first differing token (system prompt, question, most of the reply), and all the
-    batch's conversations agree on their first tokens (the system prompt, the question's first
-    words). So the batch's common prefix runs once, each pair's further shared tokens once per
-    pair (left-padded after it), and only the two suffixes run on that key/value cache
-    (gradients sum back through it): the scores equal one full pass per row, for about a third
-    of the token passes on the arithmetic pairs. A checkpointed model takes the full pass.
+    (:class:`~lit_grpo.data.reward_pairs.RewardDataModule`); the scores are the last of
+    :func:`suffix_scores`.
+    """
+    return last_scores(*suffix_scores(model, head, input_ids, attention_mask, pad_token_id))
+
+
+def pair_loss(every: torch.Tensor, lengths: torch.Tensor, suffix_weight: float = 0.0) -> LossOutput:
+    """The Bradley-Terry loss of B pairs from their :func:`suffix_scores` ``[2B, S]`` and ``[2B]``, chosen first.
+
+    With ``suffix_weight`` > 0 it adds that times the loss of every token both replies have from
+    their first difference, the chosen reply's n-th against the rejected one's n-th
+    (``RewardModelModule(suffix_weight=)``); its accuracy is the metric ``suffix_accuracy``.
+    """
+    result = bradley_terry_loss(*last_scores(every, lengths).chunk(2))  # the conversations' scores
+    if not suffix_weight:
+        return result
+    (chosen, rejected), (chosen_lengths, rejected_lengths) = every.chunk(2), lengths.chunk(2)  # [B, S], [B]
+    both = torch.arange(every.shape[1], device=every.device) < torch.minimum(chosen_lengths, rejected_lengths)[:, None]
+    tokens = bradley_terry_loss(chosen[both], rejected[both])  # [B, S] -> the tokens both replies have
+    return LossOutput(loss=result.loss + suffix_weight * tokens.loss,
+                      metrics={**result.metrics, "suffix_accuracy": tokens.metrics["accuracy"]})
+
+
+def last_scores(every: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``[N]`` the conversations' scores: each row's last of :func:`suffix_scores`' ``[N, S]``."""
+    return every[torch.arange(len(every), device=every.device), lengths - 1]
+
+
+def suffix_scores(model: nn.Module, head: nn.Linear, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  pad_token_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head's score at every token of each row from its pair's first differing token on.
+
+    A pair's conversations agree up to the reply's first differing token (system prompt,
+    question, most of the reply), and all the batch's conversations agree on their first tokens
+    (the system prompt, the question's first words). So the batch's common prefix runs once,
+    each pair's further shared tokens once per pair (left-padded after it), and only the two
+    suffixes run on that key/value cache (gradients sum back through it): the scores equal one
+    full pass per row, for about a third of the token passes on the arithmetic pairs. A
+    checkpointed model takes the full pass.
+
+    Returns:
+        ``([2B, S] float32 scores, [2B] suffix lengths)``: row ``i``'s scores at offsets ``>=
+        lengths[i]`` are padding; its score at ``lengths[i] - 1`` is its conversation's score
+        (the last token that is not padding).
     """
     from lit_grpo.model.kv_cache import with_cache
     from lit_grpo.model.logprob_passes import cache_rows
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = base.get_decoder()
     B = len(input_ids) // 2
     lengths = attention_mask.sum(-1)  # [2B]
     same = (input_ids[:B] == input_ids[B:]) & attention_mask[:B].bool() & attention_mask[B:].bool()  # [B, T]
     shared = same.int().cumprod(-1).sum(-1)  # [B] common prefix length
     shared = torch.minimum(shared, torch.minimum(lengths[:B], lengths[B:]) - 1).clamp(min=0)  # each keeps a token
-    checkpointed = any(getattr(m, "gradient_checkpointing", False) is True for m in base.modules())
-    if checkpointed or int(shared.max()) == 0:  # transformers drops the cache of a layer it checkpoints
-        return backbone_scores(model, head, input_ids, attention_mask, pad_token_id)
-    pad = pad_token_id if pad_token_id is not None else 0
-    decoder = base.get_decoder()
-    cache, prefix_mask = _prefix_cache(decoder, input_ids, attention_mask, shared, pad)  # [B, P] mask
     rows = torch.arange(2 * B, device=input_ids.device) % B  # the pair of each row
     suffix_lengths = lengths - shared[rows]  # [2B], >= 1
-    S = int(suffix_lengths.max())
-    offsets = torch.arange(S, device=input_ids.device)  # [S]
+    offsets = torch.arange(int(suffix_lengths.max()), device=input_ids.device)  # [S]
     source = (shared[rows][:, None] + offsets).clamp(max=input_ids.shape[1] - 1)  # [2B, S]
     suffix_mask = (offsets < suffix_lengths[:, None]).long()  # [2B, S]
-    suffix_ids = input_ids.gather(1, source).masked_fill(suffix_mask == 0, pad)  # [2B, S]
-    hidden = decoder(input_ids=suffix_ids, attention_mask=torch.cat([prefix_mask[rows], suffix_mask], dim=1),
-                     position_ids=shared[rows][:, None] + offsets, **with_cache(cache_rows(cache, rows)),
-                     use_cache=True).last_hidden_state  # [2B, S, H]
-    last = hidden[torch.arange(2 * B, device=hidden.device), suffix_lengths - 1]  # [2B, H]
-    return head(last.to(head.weight.dtype)).squeeze(-1).float()  # [2B]
+    checkpointed = any(getattr(m, "gradient_checkpointing", False) is True for m in base.modules())
+    if checkpointed or int(shared.max()) == 0:  # transformers drops the cache of a layer it checkpoints
+        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        hidden = hidden.gather(1, source[..., None].expand(-1, -1, hidden.shape[-1]))  # [2B, S, H]
+    else:
+        pad = pad_token_id if pad_token_id is not None else 0
+        cache, prefix_mask = _prefix_cache(decoder, input_ids, attention_mask, shared, pad)  # [B, P] mask
+        suffix_ids = input_ids.gather(1, source).masked_fill(suffix_mask == 0, pad)  # [2B, S]
+        hidden = decoder(input_ids=suffix_ids, attention_mask=torch.cat([prefix_mask[rows], suffix_mask], dim=1),
+                         position_ids=shared[rows][:, None] + offsets, **with_cache(cache_rows(cache, rows)),
+                         use_cache=True).last_hidden_state  # [2B, S, H]
+    return head(hidden.to(head.weight.dtype)).squeeze(-1).float(), suffix_lengths
 
 
 def _prefix_cache(decoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, shared: torch.Tensor,
