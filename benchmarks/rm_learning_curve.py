@@ -24,6 +24,8 @@ against K rejected ones), so every step contrasts answers to the same questions.
 the held-out pairs keep every kind, and their accuracy is printed by kind.
 ``--curriculum off_by_1:350 off_by_10:350`` trains the first 350 steps on the +-1 slips
 only, the next 350 on the +-10 slips, then on ``--kinds`` (one digit at a time).
+``--suffix-weight W`` adds W times the loss at every token from each pair's first
+difference (``RewardModelModule(suffix_weight=)``), from step ``--suffix-from`` on.
 """
 
 from __future__ import annotations
@@ -34,9 +36,8 @@ import random
 import time
 
 import torch
-import torch.nn.functional as F
 
-from lit_grpo.algorithms.reward_model import RewardModelModule, pair_scores
+from lit_grpo.algorithms.reward_model import RewardModelModule, last_scores, pair_loss, pair_scores, suffix_scores
 from lit_grpo.data.tasks import SLIPS, arithmetic_preferences, near_misses, slip_kind
 from lit_grpo.model.policy import LoraSpec, PolicySpec
 from lit_grpo.rewards.reward_model import encode_conversations
@@ -55,11 +56,10 @@ def slips(row: dict) -> list[dict]:
     return [{**row, "rejected": f"{equation}= {wrong}"} for wrong in near_misses(int(row["answer"]))]
 
 
-def scores(module: RewardModelModule, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[B]`` scores of the chosen and the rejected replies, as the config's data module renders them."""
-    ids, mask = encode_conversations(module.tokenizer, [r["prompt"] for r in rows] * 2,
-                                     [r["chosen"] for r in rows] + [r["rejected"] for r in rows], None, 160)
-    return pair_scores(module.policy, module.reward_head, ids, mask, module.tokenizer.pad_token_id).chunk(2)
+def encode(module: RewardModelModule, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[2B, T]`` ids and mask of the chosen then the rejected replies, as the config's data module renders them."""
+    return encode_conversations(module.tokenizer, [r["prompt"] for r in rows] * 2,
+                                [r["chosen"] for r in rows] + [r["rejected"] for r in rows], None, 160)
 
 
 @torch.no_grad()
@@ -68,7 +68,8 @@ def held_out_accuracy(module: RewardModelModule, rows: list[dict]) -> str:
     module.eval()
     wins = []
     for start in range(0, len(rows), 16):
-        chosen, rejected = scores(module, rows[start:start + 16])
+        chosen, rejected = pair_scores(module.policy, module.reward_head, *encode(module, rows[start:start + 16]),
+                                       module.tokenizer.pad_token_id).chunk(2)
         wins += (chosen > rejected).tolist()
     module.train()
     by_kind = {k: [won for row, won in zip(rows, wins) if slip(row) == k] for k in KINDS}
@@ -102,6 +103,9 @@ def main() -> None:
                         help="the slips trained on (the held-out pairs keep every kind)")
     parser.add_argument("--curriculum", nargs="+", default=[], metavar="KIND:STEPS",
                         help="stages trained on one slip each before --kinds, e.g. off_by_1:350 off_by_10:350")
+    parser.add_argument("--suffix-weight", type=float, default=0.0,
+                        help="weight of a Bradley-Terry loss at every token from the pair's first differing one")
+    parser.add_argument("--suffix-from", type=int, default=0, help="the step --suffix-weight starts at")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--attn", default=None)
     parser.add_argument("--model", default="embedded")
@@ -146,10 +150,12 @@ def main() -> None:
         if args.per_question > 1 or set(kinds) != set(KINDS):
             batch = [pair for row in batch
                      for pair in pick.sample([s for s in slips(row) if slip(s) in kinds], args.per_question)]
-        chosen, rejected = scores(module, batch)
+        every, lengths = suffix_scores(module.policy, module.reward_head, *encode(module, batch),
+                                       module.tokenizer.pad_token_id)
+        chosen, rejected = last_scores(every, lengths).chunk(2)
         margin = chosen - rejected
         optimizer.zero_grad()
-        (-F.logsigmoid(margin).mean()).backward()
+        pair_loss(every, lengths, args.suffix_weight if step >= args.suffix_from else 0.0).loss.backward()
         torch.nn.utils.clip_grad_norm_(adapter + head, 1.0)
         optimizer.step()
         history += [(slip(row), m > 0, m) for row, m in zip(batch, margin.tolist())]
