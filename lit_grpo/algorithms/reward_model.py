@@ -8,8 +8,10 @@ conversation's last token that is not padding
 (:func:`lit_grpo.rewards.reward_model.backbone_scores`), the rule of
 transformers' sequence-classification models, so the export below scores
 exactly as training did. The head has no bias because the loss only sees
-differences of scores. Loading, (Q)LoRA or full fine-tuning, the optimizer,
-checkpoints and strategies come from :class:`~lit_grpo.algorithms.base.PolicyModule`.
+differences of scores. ``suffix_weight`` adds the same loss at every token from
+a pair's first differing one (:func:`pair_loss`). Loading, (Q)LoRA or full
+fine-tuning, the optimizer, checkpoints and strategies come from
+:class:`~lit_grpo.algorithms.base.PolicyModule`.
 
 Validation: the pairwise accuracy on held-out pairs (chosen scored higher)
 and the mean reward margin. ``--export_adapter DIR`` writes ``DIR`` as a
