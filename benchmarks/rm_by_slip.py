@@ -3,9 +3,9 @@
     python benchmarks/rm_by_slip.py --rm runs/rm_quickstart/rm [--config configs/rm_quickstart.yaml]
 
 Loads ``--rm`` as transformers loads it (``AutoModelForSequenceClassification``, one full
-pass per conversation, rendered through its own chat template as ``RewardModel`` renders
-it), builds the config's ``data`` section as the command does (``RewardDataModule``), and
-scores the held-out pairs: how often the chosen reply scores higher, over all and by the kind
+pass per conversation, rendered through its own chat template as training rendered it:
+``RewardDataModule.encode_pairs``), builds the config's ``data`` section as the command
+does, and scores the held-out pairs: how often the chosen reply scores higher, over all and by the kind
 of slip of the rejected reply (:func:`lit_grpo.data.tasks.slip_kind`: +-1, +-10, the last two
 digits swapped), with the mean margin.
 """
@@ -20,8 +20,7 @@ import yaml
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from lit_grpo.data.reward_pairs import RewardDataModule
-from lit_grpo.data.tasks import slip_kind
-from lit_grpo.rewards.reward_model import encode_conversations
+from rm_learning_curve import slip
 
 
 def main() -> None:
@@ -39,15 +38,12 @@ def main() -> None:
     margins = []
     with torch.no_grad():
         for start in range(0, len(rows), args.batch):
-            batch = rows[start:start + args.batch]
-            ids, mask = encode_conversations(tokenizer, [r["prompt"] for r in batch] * 2,
-                                             [r["chosen"] for r in batch] + [r["rejected"] for r in batch],
-                                             data.hparams.system_prompt, None)
-            chosen, rejected = model(input_ids=ids, attention_mask=mask).logits[:, 0].float().chunk(2)
+            chosen, rejected = model(**data.encode_pairs(tokenizer, rows[start:start + args.batch])
+                                     ).logits[:, 0].float().chunk(2)
             margins += (chosen - rejected).tolist()
     by_kind = defaultdict(list)
     for row, margin in zip(rows, margins):
-        by_kind[slip_kind(int(row["answer"]), int(row["rejected"].rsplit("= ", 1)[1]))].append(margin)
+        by_kind[slip(row)].append(margin)
     print(f"{args.rm} on the {len(rows)} held-out pairs of {args.config}")
     print("| slip | pairs | pairwise accuracy | mean margin |\n|---|---|---|---|")
     for kind, values in [*sorted(by_kind.items()), ("all", margins)]:

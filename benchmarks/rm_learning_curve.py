@@ -38,9 +38,9 @@ import time
 import torch
 
 from lit_grpo.algorithms.reward_model import RewardModelModule, last_scores, pair_loss, pair_scores, suffix_scores
+from lit_grpo.data.reward_pairs import RewardDataModule
 from lit_grpo.data.tasks import SLIPS, arithmetic_preferences, near_misses, slip_kind
 from lit_grpo.model.policy import LoraSpec, PolicySpec
-from lit_grpo.rewards.reward_model import encode_conversations
 
 HELD_OUT, WINDOW, KINDS = 64, 160, SLIPS
 
@@ -56,10 +56,13 @@ def slips(row: dict) -> list[dict]:
     return [{**row, "rejected": f"{equation}= {wrong}"} for wrong in near_misses(int(row["answer"]))]
 
 
+PAIRS = RewardDataModule(max_prompt_length=128, max_completion_length=32)  # the config's rendering
+
+
 def encode(module: RewardModelModule, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
     """``[2B, T]`` ids and mask of the chosen then the rejected replies, as the config's data module renders them."""
-    return encode_conversations(module.tokenizer, [r["prompt"] for r in rows] * 2,
-                                [r["chosen"] for r in rows] + [r["rejected"] for r in rows], None, 160)
+    batch = PAIRS.encode_pairs(module.tokenizer, rows)
+    return batch["input_ids"], batch["attention_mask"]
 
 
 @torch.no_grad()

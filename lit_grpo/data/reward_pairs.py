@@ -28,9 +28,13 @@ class RewardDataModule(ResumableBatches, PreferenceDataModule):
         return self.resumable_loader(self.train_rows, self.hparams.batch_size, self.collate, self.stage_sizes)
 
     def collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        """Tokenize B pairs into 2B conversations, chosen first."""
+        """Tokenize B pairs into 2B conversations, chosen first, with the module's tokenizer."""
+        return self.encode_pairs(self.trainer.lightning_module.tokenizer, rows)
+
+    def encode_pairs(self, tokenizer, rows: list[dict]) -> dict[str, torch.Tensor]:
+        """Tokenize B pairs into 2B conversations, chosen first, with ``tokenizer`` (``collate``
+        without a trainer: an exported reward model's tokenizer scores the pairs as training saw them)."""
         hp = self.hparams
-        tokenizer = self.trainer.lightning_module.tokenizer
         prompts = [hp.prompt_template.format(prompt=column_text(r["prompt"], "prompt")) for r in rows]
         replies = [column_text(r["chosen"], "chosen") for r in rows] + [
             column_text(r["rejected"], "rejected") for r in rows]
