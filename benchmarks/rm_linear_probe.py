@@ -21,9 +21,9 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+from lit_grpo.data.reward_pairs import RewardDataModule
 from lit_grpo.data.tasks import arithmetic_preferences
 from lit_grpo.model.policy import PolicySpec, build_policy, load_tokenizer
-from lit_grpo.rewards.reward_model import encode_conversations
 
 HELD_OUT = 64  # configs/rm_quickstart.yaml's val_size: the first rows
 
@@ -36,13 +36,14 @@ def features(init_adapter: str, pairs: int) -> tuple[dict[tuple[int, int], torch
     model.eval()
     tokenizer = load_tokenizer(spec)
     rows = arithmetic_preferences(HELD_OUT + pairs, 0, digits=2, ops="+")
+    pairs_data = RewardDataModule(max_prompt_length=None)  # whole conversations, as training renders them
     out: dict[tuple[int, int], list[torch.Tensor]] = {}
     generative = []
     with torch.no_grad():
         for start in range(0, len(rows), 32):
             batch = rows[start : start + 32]
-            ids, mask = encode_conversations(tokenizer, [r["prompt"] for r in batch] * 2,
-                                             [r["chosen"] for r in batch] + [r["rejected"] for r in batch], None, None)
+            encoded = pairs_data.encode_pairs(tokenizer, batch)
+            ids, mask = encoded["input_ids"], encoded["attention_mask"]
             outputs = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
             hidden = outputs.hidden_states  # layers + 1 of [2B, T, H]
             last, n = mask.sum(-1) - 1, len(batch)
