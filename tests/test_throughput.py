@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,6 +93,24 @@ def test_auto_trains_in_bf16_only_where_its_matmuls_are_measured_faster(tmp_path
     cache = _cached(tmp_path, fp32=1e11, bf16=bf16)
     assert PolicySpec(dtype="auto", cache_dir=cache).torch_dtype == expected
     assert hardware.peak_flops("cpu", cache) == max(1e11, bf16)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the warning is about CPUs")
+def test_asking_for_bf16_where_the_cpu_emulates_it_warns_with_both_rates(tmp_path):
+    slow = _cached(tmp_path, fp32=1e11, bf16=3e9)
+    with pytest.warns(UserWarning, match=r"bf16 matmuls measure 3 GFLOP/s against 100 in fp32.*auto picks float32"):
+        assert PolicySpec(dtype="bfloat16", cache_dir=slow).torch_dtype == torch.bfloat16
+    (tmp_path / "fast").mkdir()
+    fast = _cached(tmp_path / "fast", fp32=1e11, bf16=4e11)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert PolicySpec(dtype="bfloat16", cache_dir=fast).torch_dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="reads /proc/cpuinfo")
+def test_the_cpu_name_tells_apart_cpus_sold_under_one_name():
+    # the probe's cache is keyed by it: a Zen 3 and a Zen 5 are both "AMD EPYC" in a VM
+    assert re.search(r" \(family \d+, model \d+, (no bf16 units|amx_bf16|avx512_bf16)", hardware.cpu_name())
 
 
 def test_the_probe_measures_and_caches_both_dtypes(tmp_path):

@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -68,14 +69,25 @@ def measure_matmul_flops(dtype: torch.dtype, device: torch.device | str = "cpu",
 
 
 def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``'s, else the platform's)."""
+    """The CPU as ``/proc/cpuinfo`` tells it apart: model name, family, model and bf16 units.
+
+    Virtual machines often give different CPUs one model name ("AMD EPYC" for a
+    Zen 3 without bf16 units and a Zen 5 with them), so the family, the model
+    and the AMX / AVX-512 BF16 flags follow it, e.g. ``AMD EPYC (family 25,
+    model 1, no bf16 units)``. It keys the probe's cache and names the CPU in
+    benchmarks' output. Elsewhere, the platform's processor name.
+    """
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        fields = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
+                      if ":" in line)
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        fields = {}
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    if "model name" not in fields:
+        return platform.processor() or platform.machine()
+    units = sorted(flag for flag in fields.get("flags", "").split() if flag in ("avx512_bf16", "amx_bf16"))
+    return (f"{fields['model name']} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')}, "
+            f"{' + '.join(units) or 'no bf16 units'})")
 
 
 def cpu_matmul_flops(cache_dir: str | None = None) -> dict[str, float]:
@@ -135,6 +147,23 @@ def peak_flops(device: torch.device | str, cache_dir: str | None = None) -> floa
 @functools.cache
 def _cuda_measured(index: int) -> float:
     return measure_matmul_flops(torch.bfloat16, torch.device("cuda", index))
+
+
+def warn_if_bf16_slower(cache_dir: str | None = None) -> None:
+    """Warn when bf16 was asked for on a CPU whose bf16 matmuls are slower than its fp32 ones.
+
+    Such a CPU (no AMX, no AVX-512 BF16 units) emulates bf16: the whole run
+    then goes at that rate, 20x slower than fp32 on one EPYC, where
+    ``policy.dtype: auto`` would have picked fp32.
+    """
+    flops = cpu_matmul_flops(cache_dir)
+    if flops["bfloat16"] < flops["float32"]:
+        warnings.warn(
+            f"policy.dtype='bfloat16' on a CPU ({cpu_name()}) whose bf16 matmuls measure "
+            f"{flops['bfloat16'] / 1e9:.0f} GFLOP/s against {flops['float32'] / 1e9:.0f} in fp32 (bf16 is "
+            f"emulated here): this run will be slower than in float32. policy.dtype: auto picks float32 here.",
+            stacklevel=3,
+        )
 
 
 def fastest_dtype(cache_dir: str | None = None) -> str:

@@ -121,6 +121,10 @@ class PolicySpec:
             from lit_grpo.model.hardware import fastest_dtype
 
             return DTYPES[fastest_dtype(self.cache_dir)]
+        if self.dtype == "bfloat16" and not torch.cuda.is_available():
+            from lit_grpo.model.hardware import warn_if_bf16_slower
+
+            warn_if_bf16_slower(self.cache_dir)
         return DTYPES[self.dtype]
 
 
