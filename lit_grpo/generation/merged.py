@@ -102,7 +102,9 @@ class _Skeleton:
         factors = {f"{name}.{factor}" for name in self.apart for factor in ("down", "up")}  # stay in their dtype
         self.empty = {name: torch.empty_like(p, dtype=p.dtype if name in factors else dtype or p.dtype)
                       for name, p in model.named_parameters(remove_duplicate=False)}
-        self.model = model.requires_grad_(False).eval()
+        # nn.Module's train(), not transformers' override: that one re-applies hub kernels on a
+        # mode change (transformers >= 5.25 turns them on at load), which fails on meta tensors.
+        self.model = nn.Module.train(model.requires_grad_(False), False)
 
 
 def merged_weights(policy: nn.Module, apart: set[str] = frozenset(),

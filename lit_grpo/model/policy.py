@@ -208,6 +208,10 @@ def load_base_model(spec: PolicySpec) -> nn.Module:
         )
     if spec.attn_implementation is not None:
         kwargs["attn_implementation"] = spec.attn_implementation
+    # transformers >= 5.25 defaults to swapping layers for hub kernels, fetched from the hub and
+    # re-applied at every train()/eval(), where it fails on the merged decode copy's meta tensors.
+    # lit_grpo loads offline and chooses its own kernels (lit_grpo.model.stream, .generation).
+    kwargs["use_kernels"] = False
     model = constructed("policy", AutoModelForCausalLM.from_pretrained, source,
                         values={"name_or_path": spec.name_or_path}, dtype=spec.torch_dtype, **kwargs)
     if kwargs.get("gguf_file"):

@@ -153,7 +153,8 @@ class RewardModel(Reward):
             return
         from transformers import AutoModelForSequenceClassification
 
-        model = AutoModelForSequenceClassification.from_pretrained(self.folder, dtype=self.dtype)
+        model = AutoModelForSequenceClassification.from_pretrained(self.folder, dtype=self.dtype,
+                                                                   use_kernels=False)  # as the policy's
         model.config.pad_token_id = self.tokenizer.pad_token_id
         self.model = keep_stream_fp32(model).requires_grad_(False).eval()
 
