@@ -111,7 +111,8 @@ def test_a_bf16_copy_keeps_the_adapter_update_apart_instead_of_rounding_it_away(
         folded_error = (folded(input_ids=ids, attention_mask=mask).logits.float() - expected).abs().max()
         with MergedPolicy(policy)(policy) as plain:
             assert sum(isinstance(m, LowRankLinear) for m in plain.modules()) == 14
-            assert llama_step_applies(plain, 100)
+            # the lean step takes the copy wherever this CPU packs bf16 weights (not on a Zen 3)
+            assert llama_step_applies(plain, 100) == can_pack(torch.device("cpu"), torch.bfloat16)
             error = (plain(input_ids=ids, attention_mask=mask).logits.float() - expected).abs().max()
     assert (expected - base).abs().max() > 0 and folded_error > 0
     assert error <= folded_error / 10  # peft's own arithmetic: bf16 base output + fp32 update, rounded once
