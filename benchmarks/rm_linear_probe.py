@@ -28,8 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from lit_grpo.data.reward_pairs import RewardDataModule
-from lit_grpo.data.tasks import arithmetic_preferences, slip_kind
+from lit_grpo.data.tasks import arithmetic_preferences
 from lit_grpo.model.policy import PolicySpec, build_policy, load_tokenizer
+from rm_learning_curve import slip
 
 HELD_OUT = 64  # configs/rm_quickstart.yaml's val_size: the first rows
 
@@ -75,7 +76,7 @@ def knowledge(init_adapter: str, rm_adapters: list[str]) -> None:
     spec = PolicySpec(init_adapter=init_adapter, lora=None)
     model, _ = build_policy(spec, need_reference=False)
     rows = arithmetic_preferences(HELD_OUT, 0, digits=2, ops="+")
-    kinds = [slip_kind(int(row["chosen"].split("= ")[1]), int(row["rejected"].split("= ")[1])) for row in rows]
+    kinds = [slip(row) for row in rows]
     encoded = RewardDataModule(max_prompt_length=None).encode_pairs(load_tokenizer(spec), rows)
     print("| model | " + " | ".join(sorted(set(kinds))) + " | all |")
     print("|---|" + "---|" * (len(set(kinds)) + 1))
