@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lit_grpo.data.batches import EpochSampler, StagedSampler
+from lit_grpo.data.batches import EpochSampler
 from lit_grpo.data.preferences import PreferenceDataModule
 from lit_grpo.data.reward_pairs import RewardDataModule
 from lit_grpo.data.tasks import slip_kind
@@ -54,10 +54,12 @@ def test_an_epoch_goes_through_the_stages_in_order_and_resumes_inside_one():
 def test_dpo_batches_follow_the_stages_too():
     module = data(PreferenceDataModule, curriculum=STAGES)
     sampler = module.train_dataloader().sampler
-    assert isinstance(sampler, StagedSampler)
-    first, second = list(sampler), list(sampler)
+    assert isinstance(sampler, EpochSampler) and sampler.stages == [16, 16, 8]
+    first = list(sampler)
+    sampler.set_epoch(1)
+    second = list(sampler)
     assert first != second and all(sorted(o[:16]) == list(range(16)) for o in (first, second))
-    assert not isinstance(data(PreferenceDataModule).train_dataloader().sampler, StagedSampler)
+    assert data(PreferenceDataModule).train_dataloader().sampler.stages is None
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -95,19 +95,22 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path, tiny_model_dir):
         assert torch.equal(expected[name], actual[name]), name  # bitwise, not merely close
 
 
-# ---------------------------------------------- dataset modules (SFT, reward model)
+# ---------------------------------------------- dataset modules (SFT, reward model, DPO)
 def _dataset_run(kind: str, model_dir: str, root: Path, ckpt_path: Path | None = None) -> dict[str, torch.Tensor]:
-    """Two epochs of 3 batches of an SFT or reward-model run with a checkpoint after every step;
+    """Two epochs of 3 batches of an SFT, reward-model or DPO run with a checkpoint after every step;
     the trainable weights at the end."""
     import lightning as L
 
+    from lit_grpo.algorithms.dpo import DPOModule
     from lit_grpo.algorithms.reward_model import RewardModelModule
     from lit_grpo.algorithms.sft import SFTModule
+    from lit_grpo.data.preferences import PreferenceDataModule
     from lit_grpo.data.reward_pairs import RewardDataModule
     from lit_grpo.data.sft import SFTDataModule
     from lit_grpo.model.policy import LoraSpec, PolicySpec
 
-    module_class, data_class = {"sft": (SFTModule, SFTDataModule), "rm": (RewardModelModule, RewardDataModule)}[kind]
+    module_class, data_class = {"sft": (SFTModule, SFTDataModule), "rm": (RewardModelModule, RewardDataModule),
+                                "dpo": (DPOModule, PreferenceDataModule)}[kind]
     policy = PolicySpec(name_or_path=model_dir, lora=LoraSpec(r=4, alpha=8, dropout=0.1))  # dropout draws the RNG
     module = module_class(policy=policy, progress=False, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
     data = data_class(train_size=12, val_size=4, batch_size=4)
@@ -119,7 +122,7 @@ def _dataset_run(kind: str, model_dir: str, root: Path, ckpt_path: Path | None =
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-@pytest.mark.parametrize("kind", ["sft", "rm"])
+@pytest.mark.parametrize("kind", ["sft", "rm", "dpo"])
 def test_dataset_runs_resume_exactly_from_inside_an_epoch(tmp_path, tiny_model_dir, kind):
     import lightning as L
 

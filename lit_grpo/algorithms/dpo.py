@@ -3,8 +3,10 @@
 When preference pairs exist instead of a verifier, DPO optimises the same
 KL-regularised objective as GRPO without sampling: each step scores the
 chosen and rejected replies under the policy and under the reference, and
-:func:`lit_grpo.objectives.dpo_loss` does the rest. Loading, (Q)LoRA, the
-reference, the optimizer and checkpoints come from :class:`PolicyModule`.
+:func:`lit_grpo.objectives.dpo_loss` does the rest. Logging, validation
+(also before the first step) and exact resume inside an epoch come from
+:class:`~lit_grpo.algorithms.supervised.SupervisedModule`; loading, (Q)LoRA,
+the reference, the optimizer and checkpoints from :class:`PolicyModule`.
 
 Choices, on purpose:
 
@@ -19,16 +21,14 @@ from __future__ import annotations
 
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from torchmetrics import MeanMetric
-from tqdm.auto import tqdm
 
 from lit_grpo.objectives import LossOutput, dpo_loss, sequence_logps
 from lit_grpo.model.logprob_passes import completion_logprobs
 from lit_grpo.model.policy import PolicySpec
-from lit_grpo.algorithms.base import PolicyModule
+from lit_grpo.algorithms.supervised import SupervisedModule
 
 
-class DPOModule(PolicyModule):
+class DPOModule(SupervisedModule):
     """Direct Preference Optimization (sigmoid loss) for a causal language model.
 
     Args:
@@ -48,6 +48,8 @@ class DPOModule(PolicyModule):
             validation.
     """
 
+    shown_metrics = ("val/loss", "val/rewards/accuracy", "val/rewards/margin", "val/logps/accuracy")
+
     def __init__(
         self,
         policy: PolicySpec | None = None,
@@ -65,7 +67,14 @@ class DPOModule(PolicyModule):
         if not 0 <= label_smoothing < 0.5:
             raise ValueError(f"model.label_smoothing={label_smoothing}; expected a value in [0, 0.5).")
 
-    def preference_loss(self, batch: dict[str, torch.Tensor]) -> LossOutput:
+    @property
+    def needs_reference(self) -> bool:
+        return True
+
+    def batch_rows(self, batch: dict[str, torch.Tensor]) -> int:
+        return batch["completion_ids"].shape[0] // 2  # pairs
+
+    def batch_loss(self, batch: dict[str, torch.Tensor]) -> LossOutput:
         """DPO loss and metrics of a batch of 2B rows, chosen first."""
         with torch.no_grad(), self.reference_model() as reference:
             ref_logps = self.sequence_logps(reference, batch)  # [2B]
@@ -79,54 +88,3 @@ class DPOModule(PolicyModule):
         """Summed log-prob of each row's completion under ``model``: ``[2B]``."""
         logprobs, _ = completion_logprobs(model, **batch, temperature=1.0)  # [2B, C]
         return sequence_logps(logprobs, batch["completion_mask"])
-
-    # --------------------------------------------------------------- training
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        result = self.preference_loss(batch)
-        pairs = batch["completion_ids"].shape[0] // 2
-        self.log_reduced({f"train/{k}": v for k, v in result.metrics.items()}, weight=pairs)
-        self.log_reduced({"train/loss": result.loss.detach()}, weight=pairs, prog_bar=True, on_step=True)
-        return result.loss
-
-    # ------------------------------------------------------------- validation
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        result = self.preference_loss(batch)
-        metrics = {"val/loss": result.loss, **{f"val/{k}": v for k, v in result.metrics.items()}}
-        self.log_dict(metrics, on_step=False, on_epoch=True, sync_dist=True,
-                      batch_size=batch["completion_ids"].shape[0] // 2)
-
-    def on_train_start(self) -> None:
-        # Lightning's sanity check logs nothing, so the "before" figures are taken here.
-        if self.global_step != 0 or not getattr(self.trainer.datamodule, "val_rows", None):
-            return
-        before = self.evaluate()
-        for logger in self.loggers:
-            logger.log_metrics(before, step=0)
-        self._print("before training", before)
-
-    @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """Validation metrics of the current policy, averaged over all pairs."""
-        was_training = self.policy.training
-        self.policy.eval()
-        means: dict[str, MeanMetric] = {}
-        for batch in self.trainer.datamodule.val_dataloader():
-            batch = {k: v.to(self.device) for k, v in batch.items()}
-            result = self.preference_loss(batch)
-            pairs = batch["completion_ids"].shape[0] // 2
-            for name, value in {"loss": result.loss, **result.metrics}.items():
-                means.setdefault(name, MeanMetric().to(self.device)).update(value, pairs)
-        self.policy.train(was_training)
-        return {f"val/{k}": float(m.compute()) for k, m in means.items()}
-
-    def on_train_epoch_end(self) -> None:
-        # The epoch's validation has run by now, and its metrics are reduced.
-        metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("val/")}
-        if metrics:
-            self._print(f"epoch {self.current_epoch}", metrics)
-
-    def _print(self, when: str, metrics: dict[str, float]) -> None:
-        if self.global_rank != 0 or not self.hparams.progress:
-            return
-        shown = ("val/loss", "val/rewards/accuracy", "val/rewards/margin", "val/logps/accuracy")
-        tqdm.write(f"{when}: " + " | ".join(f"{k} {metrics[k]:.3f}" for k in shown if k in metrics))

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 
 def staged_order(sizes: list[int], generator: torch.Generator) -> list[int]:
@@ -26,24 +26,6 @@ def staged_order(sizes: list[int], generator: torch.Generator) -> list[int]:
         order += (start + torch.randperm(size, generator=generator)).tolist()
         start += size
     return order
-
-
-class StagedSampler(Sampler):
-    """Rows in :func:`staged_order`, a fresh shuffle within each block every epoch (a curriculum).
-
-    Args:
-        sizes: Rows per block (stage).
-        generator: Draws every epoch's shuffles.
-    """
-
-    def __init__(self, sizes: list[int], generator: torch.Generator) -> None:
-        self.sizes, self.generator = list(sizes), generator
-
-    def __len__(self) -> int:
-        return sum(self.sizes)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(staged_order(self.sizes, self.generator))
 
 
 class EpochSampler(DistributedSampler):

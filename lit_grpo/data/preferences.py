@@ -10,7 +10,8 @@ A batch of B pairs is served as 2B rows, chosen first, so that one forward
 pass scores both sides and the rows fit :func:`lit_grpo.model.logprob_passes.completion_logprobs`
 as they are: ``prompt_ids``/``prompt_mask`` ``[2B, P]`` (left-padded, each
 prompt twice) and ``completion_ids``/``completion_mask`` ``[2B, C]``
-(right-padded).
+(right-padded). Training batches resume exactly inside an epoch
+(:mod:`lit_grpo.data.batches`), for DPO as for the reward model.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from lit_grpo.data.batches import StagedSampler
+from lit_grpo.data.batches import ResumableBatches
 from lit_grpo.data.prompts import chat_prompts
 from lit_grpo.data.sources import curriculum_rows, load_rows, rename_columns, split_rows
 from lit_grpo.generation.rollout import encode_prompts
@@ -30,7 +31,7 @@ from lit_grpo.generation.rollout import encode_prompts
 _PAIR_COLUMNS = ("prompt", "chosen", "rejected")
 
 
-class PreferenceDataModule(L.LightningDataModule):
+class PreferenceDataModule(ResumableBatches, L.LightningDataModule):
     """Preference pairs in, tokenized chosen/rejected batches out.
 
     Args:
@@ -140,12 +141,7 @@ class PreferenceDataModule(L.LightningDataModule):
 
     # ---------------------------------------------------------------- loaders
     def train_dataloader(self) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.hparams.seed)
-        if self.stage_sizes:
-            return DataLoader(self.train_rows, batch_size=self.hparams.batch_size,
-                              sampler=StagedSampler(self.stage_sizes, generator), collate_fn=self.collate)
-        return DataLoader(self.train_rows, batch_size=self.hparams.batch_size, shuffle=True,
-                          generator=generator, collate_fn=self.collate)
+        return self.resumable_loader(self.train_rows, self.hparams.batch_size, self.collate, self.stage_sizes)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_rows, batch_size=self.hparams.val_batch_size, collate_fn=self.collate)

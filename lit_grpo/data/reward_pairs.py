@@ -6,26 +6,20 @@ conversations ``[system?, user: prompt, assistant: reply]`` rendered by the
 chat template exactly as :class:`~lit_grpo.rewards.RewardModel` renders what
 it scores later (:func:`~lit_grpo.rewards.reward_model.encode_conversations`):
 a batch of B pairs is ``input_ids``/``attention_mask`` ``[2B, T]``,
-right-padded, chosen first. Training batches resume exactly inside an epoch
-(:mod:`lit_grpo.data.batches`).
+right-padded, chosen first.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.utils.data import DataLoader
 
-from lit_grpo.data.batches import ResumableBatches
 from lit_grpo.data.preferences import PreferenceDataModule, column_text
 from lit_grpo.rewards.reward_model import encode_conversations
 
 
-class RewardDataModule(ResumableBatches, PreferenceDataModule):
+class RewardDataModule(PreferenceDataModule):
     """Preference pairs in, chosen/rejected conversations out (arguments: :class:`PreferenceDataModule`'s;
     a conversation is at most ``max_prompt_length + max_completion_length`` tokens, keeping its end)."""
-
-    def train_dataloader(self) -> DataLoader:
-        return self.resumable_loader(self.train_rows, self.hparams.batch_size, self.collate, self.stage_sizes)
 
     def collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         """Tokenize B pairs into 2B conversations, chosen first, with the module's tokenizer."""
