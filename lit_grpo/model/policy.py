@@ -197,13 +197,14 @@ def load_base_model(spec: PolicySpec) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     source, kwargs = _resolve(spec, needed=(CONFIG, WEIGHTS))
+    dtype = spec.torch_dtype  # resolves auto (and warns about an emulated bf16) once
     if spec.load_in_4bit:
         from transformers import BitsAndBytesConfig
 
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type="nf4",
-            bnb_4bit_compute_dtype=spec.torch_dtype,
+            bnb_4bit_compute_dtype=dtype,
             bnb_4bit_use_double_quant=True,
         )
     if spec.attn_implementation is not None:
@@ -213,7 +214,7 @@ def load_base_model(spec: PolicySpec) -> nn.Module:
     # lit_grpo loads offline and chooses its own kernels (lit_grpo.model.stream, .generation).
     kwargs["use_kernels"] = False
     model = constructed("policy", AutoModelForCausalLM.from_pretrained, source,
-                        values={"name_or_path": spec.name_or_path}, dtype=spec.torch_dtype, **kwargs)
+                        values={"name_or_path": spec.name_or_path}, dtype=dtype, **kwargs)
     if kwargs.get("gguf_file"):
         _forget_gguf_quantizer(model)
     if spec.init_adapter:
