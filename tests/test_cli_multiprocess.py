@@ -1,4 +1,4 @@
-"""``lit-grpo fit`` (and ``sft fit``, ``rm fit``) on 2 processes exactly as users type it (issue 19).
+"""``lit-grpo fit`` (and ``sft fit``, ``rm fit``, ``dpo fit``) on 2 processes exactly as users type it (issue 19).
 
 The real console script in a subprocess, DDP and FSDP2 (ModelParallelStrategy)
 on gloo, with everything a user has on: the progress bar, the CSV logger,
@@ -240,28 +240,39 @@ def test_fsdp2_killed_inside_epochs_resumes_from_its_sharded_checkpoints_to_the_
         assert torch.equal(expected[name], actual[name]), name
 
 
-@pytest.mark.parametrize("command, config", [(("sft", "fit"), "configs/sft_quickstart.yaml"),
-                                             (("rm", "fit"), "configs/rm_quickstart.yaml")], ids=["sft", "rm"])
-def test_sft_and_reward_model_cli_runs_on_two_ranks(tiny_model_dir, tmp_path, command, config):
-    # The pipeline's first two stages under DDP, as users type them: the shipped configs shrunk to the
+DDP, FSDP2 = ("--trainer.strategy", "ddp"), ("--trainer.strategy.class_path", "ModelParallelStrategy")
+
+
+@pytest.mark.parametrize("command, strategy", [("sft", DDP), ("rm", DDP), ("rm", FSDP2), ("dpo", FSDP2)],
+                         ids=["sft-ddp", "rm-ddp", "rm-fsdp2", "dpo-fsdp2"])
+def test_dataset_cli_runs_on_two_ranks(tiny_model_dir, tmp_path, command, strategy):
+    # SFT, the reward model and DPO on 2 ranks, as users type them: the shipped configs shrunk to the
     # tiny model (the RM starts from the raw base here, not from an SFT adapter), progress bar on.
+    # Under FSDP2 the reward model takes one full pass per conversation (no prefix cache) and its
+    # head is a sharded unit of its own; the checkpoints are sharded.
     export = tmp_path / "export"
     code, output = finish(start([
-        "--config", config, "--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.max_steps", "4",
+        "--config", f"configs/{command}_quickstart.yaml", *strategy, "--trainer.devices", "2", "--trainer.max_steps", "4",
         "--trainer.default_root_dir", str(tmp_path), "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
         "--trainer.logger.save_dir", str(tmp_path), "--model.policy.name_or_path", tiny_model_dir,
         "--model.policy.dtype", "float32", "--data.train_size", "64", "--data.val_size", "8",
         "--export_adapter", str(export),
-        *(["--model.policy.init_adapter", "null"] if command[0] == "rm" else []),
-    ], command=command))
+        *(["--model.policy.init_adapter", "null"] if command == "rm" else []),
+    ], command=(command, "fit")))
     assert code == 0, output[-6000:]
     rows = list(csv.DictReader(next((tmp_path / "lightning_logs").iterdir()).joinpath("metrics.csv").open()))
     assert any(row.get("val/loss") for row in rows) and any(row.get("train/loss_step") for row in rows)
-    assert (tmp_path / "checkpoints" / "last.ckpt").exists()
-    if command[0] == "rm":  # a sequence classifier with one score per conversation
-        from transformers import AutoModelForSequenceClassification
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert last.exists() and bool(list(last.glob("*.distcp"))) == (strategy == FSDP2)
+    adapter = export
+    if command == "rm":
+        from lit_grpo.rewards.reward_model import ADAPTER_DIR, HEAD_FILE
 
-        assert AutoModelForSequenceClassification.from_pretrained(export).config.num_labels == 1
-    else:  # the adapter trained: lora_B starts at zero
-        lora_b = [t for name, t in load_file(export / "adapter_model.safetensors").items() if "lora_B" in name]
-        assert lora_b and any(t.abs().max() > 0 for t in lora_b)
+        adapter = export / ADAPTER_DIR  # adapter + head, whatever the strategy
+        assert load_file(adapter / HEAD_FILE)["weight"].abs().max() > 0
+        if strategy == DDP:  # the whole model in one process: also a sequence classifier, one score each
+            from transformers import AutoModelForSequenceClassification
+
+            assert AutoModelForSequenceClassification.from_pretrained(export).config.num_labels == 1
+    lora_b = [t for name, t in load_file(adapter / "adapter_model.safetensors").items() if "lora_B" in name]
+    assert lora_b and any(t.abs().max() > 0 for t in lora_b)  # trained: lora_B starts at zero

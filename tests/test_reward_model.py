@@ -60,6 +60,22 @@ PAIR_BATCHES = {
 }
 
 
+def test_final_hidden_states_are_what_the_output_head_reads(tiny_model_dir):
+    # Through the model's own forward (FSDP2's root hooks run), the decoder's final states: the
+    # output head applied to them gives the model's logits, at every position.
+    from transformers import AutoModelForCausalLM
+
+    from lit_grpo.model.logprob_passes import final_hidden_states
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    ids = torch.randint(3, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    hidden = final_hidden_states(model, input_ids=ids, attention_mask=mask, use_cache=False)  # [2, 7, H]
+    assert hidden.shape == (2, 7, model.config.hidden_size)
+    expected = model(input_ids=ids, attention_mask=mask).logits  # [2, 7, V]
+    torch.testing.assert_close(model.get_output_embeddings()(hidden), expected, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("checkpointed", [False, True])
 @pytest.mark.parametrize("batch", sorted(PAIR_BATCHES))
 def test_pair_scores_equal_a_full_pass_per_row_with_their_gradients(tiny_model_dir, checkpointed, batch):

@@ -41,6 +41,7 @@ from lit_grpo.algorithms.supervised import SupervisedModule
 from lit_grpo.training.distributed import full_tensors
 from lit_grpo.generation.merged import merged_weights
 from lit_grpo.objectives import LossOutput, bradley_terry_loss
+from lit_grpo.model.logprob_passes import cache_rows, final_hidden_states
 from lit_grpo.model.policy import PolicySpec, build_policy
 from lit_grpo.rewards.reward_model import ADAPTER_DIR, BASE_FILE, HEAD_FILE, backbone_scores
 
@@ -218,7 +219,10 @@ def suffix_scores(model: nn.Module, head: nn.Linear, input_ids: torch.Tensor, at
     each pair's further shared tokens once per pair (left-padded after it), and only the two
     suffixes run on that key/value cache (gradients sum back through it): the scores equal one
     full pass per row, for about a third of the token passes on the arithmetic pairs. A
-    checkpointed model takes the full pass.
+    checkpointed model takes the full pass (transformers drops the cache of a layer it
+    checkpoints), and so does one sharded by FSDP2, which gathers a layer's weights again for
+    backward only where gradient reaches that call's output: the prefix passes' only output
+    is their cache.
 
     Returns:
         ``([2B, S] float32 scores, [2B] suffix lengths)``: row ``i``'s scores at offsets ``>=
@@ -226,10 +230,8 @@ def suffix_scores(model: nn.Module, head: nn.Linear, input_ids: torch.Tensor, at
         (the last token that is not padding).
     """
     from lit_grpo.model.kv_cache import with_cache
-    from lit_grpo.model.logprob_passes import cache_rows
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    decoder = base.get_decoder()
     B = len(input_ids) // 2
     lengths = attention_mask.sum(-1)  # [2B]
     same = (input_ids[:B] == input_ids[B:]) & attention_mask[:B].bool() & attention_mask[B:].bool()  # [B, T]
@@ -240,21 +242,23 @@ def suffix_scores(model: nn.Module, head: nn.Linear, input_ids: torch.Tensor, at
     offsets = torch.arange(int(suffix_lengths.max()), device=input_ids.device)  # [S]
     source = (shared[rows][:, None] + offsets).clamp(max=input_ids.shape[1] - 1)  # [2B, S]
     suffix_mask = (offsets < suffix_lengths[:, None]).long()  # [2B, S]
-    checkpointed = any(getattr(m, "gradient_checkpointing", False) is True for m in base.modules())
-    if checkpointed or int(shared.max()) == 0:  # transformers drops the cache of a layer it checkpoints
-        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    full_pass = any(getattr(m, "gradient_checkpointing", False) is True or isinstance(m, FSDPModule)
+                    for m in base.modules())
+    if full_pass or int(shared.max()) == 0:
+        hidden = final_hidden_states(model, input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         hidden = hidden.gather(1, source[..., None].expand(-1, -1, hidden.shape[-1]))  # [2B, S, H]
     else:
         pad = pad_token_id if pad_token_id is not None else 0
-        cache, prefix_mask = _prefix_cache(decoder, input_ids, attention_mask, shared, pad)  # [B, P] mask
+        cache, prefix_mask = _prefix_cache(model, input_ids, attention_mask, shared, pad)  # [B, P] mask
         suffix_ids = input_ids.gather(1, source).masked_fill(suffix_mask == 0, pad)  # [2B, S]
-        hidden = decoder(input_ids=suffix_ids, attention_mask=torch.cat([prefix_mask[rows], suffix_mask], dim=1),
-                         position_ids=shared[rows][:, None] + offsets, **with_cache(cache_rows(cache, rows)),
-                         use_cache=True).last_hidden_state  # [2B, S, H]
+        hidden = final_hidden_states(
+            model, input_ids=suffix_ids, attention_mask=torch.cat([prefix_mask[rows], suffix_mask], dim=1),
+            position_ids=shared[rows][:, None] + offsets, **with_cache(cache_rows(cache, rows)),
+            use_cache=True)  # [2B, S, H]
     return head(hidden.to(head.weight.dtype)).squeeze(-1).float(), suffix_lengths
 
 
-def _prefix_cache(decoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, shared: torch.Tensor,
+def _prefix_cache(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, shared: torch.Tensor,
                   pad: int):
     """The key/value cache of each pair's first ``shared`` tokens, ``[B, P]`` rows, and its mask.
 
@@ -270,8 +274,8 @@ def _prefix_cache(decoder: nn.Module, input_ids: torch.Tensor, attention_mask: t
     C, P = min(int(agree.min()), int(shared.min())), int(shared.max())
     cache = DynamicCache()
     if C > 0:
-        decoder(input_ids=input_ids[:1, :C], attention_mask=attention_mask[:1, :C],
-                position_ids=torch.arange(C, device=device)[None], **with_cache(cache), use_cache=True)
+        final_hidden_states(model, input_ids=input_ids[:1, :C], attention_mask=attention_mask[:1, :C],
+                            position_ids=torch.arange(C, device=device)[None], **with_cache(cache), use_cache=True)
         one = torch.zeros(B, dtype=torch.long, device=device)
         for layer in cache.layers:  # the batch's prefix for every pair; its gradients sum back (index_add_)
             layer.keys, layer.values = layer.keys.index_select(0, one), layer.values.index_select(0, one)
@@ -279,6 +283,7 @@ def _prefix_cache(decoder: nn.Module, input_ids: torch.Tensor, attention_mask: t
     mask = torch.cat([attention_mask[:B, :C], (column >= 0).long()], dim=1)  # [B, P]
     if P > C:
         ids = input_ids[:B].gather(1, (C + column).clamp(min=0)).masked_fill(column < 0, pad)  # [B, P - C]
-        decoder(input_ids=ids, attention_mask=mask, position_ids=C + (mask[:, C:].cumsum(-1) - 1).clamp(min=0),
-                **with_cache(cache), use_cache=True)
+        final_hidden_states(model, input_ids=ids, attention_mask=mask,
+                            position_ids=C + (mask[:, C:].cumsum(-1) - 1).clamp(min=0), **with_cache(cache),
+                            use_cache=True)
     return cache, mask

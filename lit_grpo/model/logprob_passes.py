@@ -133,10 +133,28 @@ def completion_hidden_states(
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [N, P + C]
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [N, P + C], as in _full_logits
     P, C = prompt_ids.shape[1], completion_ids.shape[1]
-    hidden = _base_model(model).get_decoder()(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-    ).last_hidden_state  # [N, P + C, H]
+    hidden = final_hidden_states(model, input_ids=input_ids, attention_mask=attention_mask,
+                                 position_ids=position_ids, use_cache=False)  # [N, P + C, H]
     return hidden[:, P - 1 : P + C - 1]  # [N, C, H]
+
+
+def final_hidden_states(model: nn.Module, **inputs) -> torch.Tensor:
+    """The decoder's final hidden states ``[N, T, H]`` of a causal LM (or a peft model around one).
+
+    The model runs through its own ``forward`` (the output head on the last position only,
+    ``logits_to_keep=1``) and the states are taken from its decoder's output: calling the
+    decoder directly would skip the hooks FSDP2 sets on the model's root, which gather the
+    root's own weights (embeddings, final norm) and reduce their gradients. ``inputs`` go to
+    ``forward`` as they are (a key/value cache fills as it would there).
+    """
+    captured: list[torch.Tensor] = []
+    hook = _base_model(model).get_decoder().register_forward_hook(
+        lambda module, args, output: captured.append(output[0]))
+    try:
+        model(**inputs, logits_to_keep=1)
+    finally:
+        hook.remove()
+    return captured[0]
 
 
 def _fusable_head(model: nn.Module) -> nn.Linear | None:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lit_grpo.model.logprob_passes import final_hidden_states
 from lit_grpo.model.stream import keep_stream_fp32
 from lit_grpo.rewards.base import Reward
 
@@ -86,9 +87,7 @@ def backbone_scores(model: nn.Module, head: nn.Linear, input_ids: torch.Tensor, 
 
     ``model`` is a causal LM or a peft model around one; its active adapters apply.
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                use_cache=False).last_hidden_state  # [N, T, H]
+    hidden = final_hidden_states(model, input_ids=input_ids, attention_mask=attention_mask, use_cache=False)  # [N, T, H]
     last = hidden[torch.arange(len(hidden), device=hidden.device), last_token_index(input_ids, pad_token_id)]
     return head(last.to(head.weight.dtype)).squeeze(-1).float()  # [N]
 
