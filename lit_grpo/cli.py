@@ -83,7 +83,25 @@ class PolicyCli(LightningCLI):
         """Parse the command line; first check the YAML files it names, then its ``--ckpt_path``."""
         check_yaml_files(sys.argv[1:] if args is None else args if isinstance(args, list) else [])
         super().parse_arguments(parser, args)
+        self._check_strategy()
         self._check_ckpt_path()
+
+    def _check_strategy(self) -> None:
+        """Refuse a strategy given as a class name (``--trainer.strategy ModelParallelStrategy``):
+        Lightning reads a string as a registered name and fails later with a message that
+        does not say how to pass the class."""
+        from lightning.pytorch import strategies
+
+        subcommand = self.config.get("subcommand")
+        config = self.config.get(subcommand) if subcommand else self.config
+        value = (config.get("trainer") or {}).get("strategy") if config is not None else None
+        named = getattr(strategies, value, None) if isinstance(value, str) else None
+        if isinstance(named, type) and issubclass(named, strategies.Strategy):
+            raise ValueError(
+                f"trainer.strategy={value!r} is a class name, and Lightning reads a string as a registered "
+                f"strategy name (ddp, fsdp, ...); pass the class: --trainer.strategy.class_path {value} "
+                f"(in YAML: strategy: {{class_path: {value}}})."
+            )
 
     def _check_ckpt_path(self) -> None:
         """Read the checkpoint of ``--ckpt_path`` now and refuse one that cannot resume this run.

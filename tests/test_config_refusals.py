@@ -81,3 +81,13 @@ def test_conversational_prompts_train_through_the_cli(fit, tmp_path):  # noqa: F
     code, last = fit(f"--data.source={data}", "--data.train_size=10", f"--export_adapter={tmp_path / 'adapter'}")
     assert code == 0, last
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_strategy_class_name_as_a_string_names_the_class_path_form(fit):  # noqa: F811
+    # Lightning would read the string as a registered name and fail with "invalid strategy name".
+    code, last = fit("--trainer.strategy=ModelParallelStrategy")
+    assert code == 2
+    assert last == ("lit-grpo: trainer.strategy='ModelParallelStrategy' is a class name, and Lightning reads a "
+                    "string as a registered strategy name (ddp, fsdp, ...); pass the class: "
+                    "--trainer.strategy.class_path ModelParallelStrategy (in YAML: strategy: "
+                    "{class_path: ModelParallelStrategy}).")
