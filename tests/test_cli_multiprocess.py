@@ -268,11 +268,30 @@ def test_dataset_cli_runs_on_two_ranks(tiny_model_dir, tmp_path, command, strate
     if command == "rm":
         from lit_grpo.rewards.reward_model import ADAPTER_DIR, HEAD_FILE
 
-        adapter = export / ADAPTER_DIR  # adapter + head, whatever the strategy
-        assert load_file(adapter / HEAD_FILE)["weight"].abs().max() > 0
-        if strategy == DDP:  # the whole model in one process: also a sequence classifier, one score each
-            from transformers import AutoModelForSequenceClassification
-
-            assert AutoModelForSequenceClassification.from_pretrained(export).config.num_labels == 1
+        adapter = export / ADAPTER_DIR  # adapter + head
+        head = load_file(adapter / HEAD_FILE)["weight"]
+        assert head.abs().max() > 0
+        assert_classifier_scores_as_adapter_and_head(export, tiny_model_dir, head)
     lora_b = [t for name, t in load_file(adapter / "adapter_model.safetensors").items() if "lora_B" in name]
     assert lora_b and any(t.abs().max() > 0 for t in lora_b)  # trained: lora_B starts at zero
+
+
+def assert_classifier_scores_as_adapter_and_head(export: Path, base: str, head: torch.Tensor) -> None:
+    """The sequence-classification export (under FSDP2: built from the gathered shards) scores as the
+    base with the exported adapter and head do."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    from lit_grpo.rewards.reward_model import ADAPTER_DIR, backbone_scores, encode_conversations
+
+    classifier = AutoModelForSequenceClassification.from_pretrained(export).eval()
+    assert classifier.config.num_labels == 1
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    ids, mask = encode_conversations(tokenizer, ["What is 12 + 30?"] * 2, ["12 + 30 = 42", "12 + 30 = 43"], None, None)
+    policy = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), export / ADAPTER_DIR).eval()
+    linear = torch.nn.Linear(head.shape[1], 1, bias=False)
+    linear.weight.data.copy_(head)
+    with torch.no_grad():
+        expected = backbone_scores(policy, linear, ids, mask, tokenizer.pad_token_id)
+        torch.testing.assert_close(classifier(input_ids=ids, attention_mask=mask).logits[:, 0], expected,
+                                   rtol=1e-5, atol=1e-5)

@@ -86,3 +86,17 @@ def test_qlora_step_trains_the_adapter_and_the_reference_is_the_4bit_base(model_
     torch.testing.assert_close(reference_logprobs, _logprobs(base, batch), rtol=0, atol=0)
     # ...while the trained adapter does change the policy.
     assert not torch.allclose(_logprobs(policy, batch), reference_logprobs)
+
+
+def test_a_4bit_reward_model_exports_adapter_and_head_only_and_says_so(model_dir, tmp_path):
+    # The sequence-classification folder would need unquantized weights; the adapter + head is
+    # what RewardModel(shared_base=true) loads on the same 4-bit base.
+    from lit_grpo.algorithms.reward_model import RewardModelModule
+    from lit_grpo.rewards.reward_model import ADAPTER_DIR, HEAD_FILE
+
+    module = RewardModelModule(policy=PolicySpec(name_or_path=model_dir, load_in_4bit=True, lora=LoraSpec(r=4, alpha=8)))
+    module.configure_model()
+    with pytest.warns(UserWarning, match=r"needs unquantized weights \(these are 4-bit\), so only adapter/ is written"):
+        module.export_adapter(tmp_path / "rm")
+    assert sorted(p.name for p in (tmp_path / "rm").iterdir()) == [ADAPTER_DIR]
+    assert (tmp_path / "rm" / ADAPTER_DIR / HEAD_FILE).is_file()

@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from lit_grpo.algorithms.supervised import SupervisedModule
-from lit_grpo.training.distributed import full_tensors
+from lit_grpo.training.distributed import full_tensors, gathered
 from lit_grpo.generation.merged import merged_weights
 from lit_grpo.objectives import LossOutput, bradley_terry_loss
 from lit_grpo.model.logprob_passes import cache_rows, final_hidden_states
@@ -128,15 +128,18 @@ class RewardModelModule(SupervisedModule):
     def export_writer(self) -> Callable[[Path], None]:
         """Write the folder as a sequence-classification model and, with LoRA, ``adapter/`` in it as
         adapter + head (see the module docstring); :meth:`export_adapter` writes it atomically.
-        FSDP2-sharded weights are gathered on every rank."""
+        FSDP2-sharded weights are gathered on every rank, and rank 0 builds the classifier from them."""
         head = full_tensors(self.reward_head.state_dict().items())
         write_adapter = super().export_writer() if self.spec.lora is not None else None
-        whole = self.device_mesh is None and not self.spec.load_in_4bit
-        if not whole:
-            warnings.warn(f"the sequence-classification export needs the whole model unquantized in one process "
-                          f"(this one is {'sharded' if self.device_mesh is not None else '4-bit'}), so only "
-                          f"{ADAPTER_DIR}/ is written: adapter + head, which RewardModel(shared_base=true) loads.",
-                          stacklevel=2)
+        classifier = None
+        if self.spec.load_in_4bit:
+            warnings.warn(f"the sequence-classification export needs unquantized weights (these are 4-bit), so "
+                          f"only {ADAPTER_DIR}/ is written: adapter + head, which RewardModel(shared_base=true) "
+                          "loads.", stacklevel=2)
+        else:
+            with gathered(self.policy):  # whole weights on every rank for a moment (a collective)
+                if self.global_rank == 0:
+                    classifier = self.classifier(head["weight"])
 
         def write(folder: Path) -> None:
             if write_adapter is not None:
@@ -147,8 +150,8 @@ class RewardModelModule(SupervisedModule):
                 base = {"name_or_path": self.spec.name_or_path, "init_adapter": self.spec.init_adapter,
                         "policy": dataclasses.asdict(self.spec)}
                 (adapter / BASE_FILE).write_text(json.dumps(base, indent=2))
-            if whole:
-                self.classifier(head["weight"]).save_pretrained(folder)
+            if classifier is not None:
+                classifier.save_pretrained(folder)
                 self.tokenizer.save_pretrained(folder)
 
         return write
