@@ -271,3 +271,23 @@ def test_factory_check_names_the_class_the_row_and_the_error():
         factory.new({"bad_reset_type": True})
     with pytest.raises(ValueError, match=r"secret=11 is outside the range 1..10"):
         EnvironmentFactory("lit_grpo.environments.builtin.GuessNumber").check([{"secret": 11}])
+
+
+def test_an_init_arg_set_on_the_command_line_reaches_the_environment(capsys):
+    # jsonargparse files --data.environment.init_args.max_guesses=3 as environment["max_guesses"]
+    # (the field is a dict); it was silently ignored, the config's 4 kept.
+    from pathlib import Path
+
+    import yaml
+
+    from lit_grpo.cli import main
+    from lit_grpo.data.episodes import EpisodeSetup
+
+    config = Path(__file__).parent.parent / "configs" / "guess_number.yaml"
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(config), "--data.environment.init_args.max_guesses=3", "--print_config"])
+    environment = yaml.safe_load(capsys.readouterr().out)["data"]["environment"]
+    setup = EpisodeSetup(None, environment, max_turns=5, tool_timeout=10.0, max_episode_tokens=240)
+    assert setup.factory.init_args == {"max_guesses": 3, "show_interval": True}
+    environment, rules, _ = setup.factory.new({"secret": 7})
+    assert environment.max_guesses == 3 and "3 guesses" in rules

@@ -81,8 +81,11 @@ class EpisodeSetup:
         if environment is not None:
             if not isinstance(environment, dict) or "class_path" not in environment:
                 raise ValueError(f"data.environment={environment!r}; expected {{class_path: ..., init_args: {{...}}}}.")
-            self.factory = EnvironmentFactory(environment["class_path"], environment.get("init_args"),
-                                              timeout=tool_timeout)
+            # jsonargparse files --data.environment.init_args.NAME=VALUE as environment[NAME] (a dict-typed
+            # field): such keys are init args set on the command line, over the config's.
+            given = {name: value for name, value in environment.items() if name not in ("class_path", "init_args")}
+            self.factory = EnvironmentFactory(environment["class_path"], {**(environment.get("init_args") or {}),
+                                                                          **given}, timeout=tool_timeout)
         self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
         self.format = None  # the tokenizer's call format, learnt at first use
 

@@ -20,7 +20,7 @@ that were still to come.
 from __future__ import annotations
 
 import random
-from typing import Literal
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -99,7 +99,9 @@ class OnPolicyDataModule(L.LightningDataModule):
             every completion becomes an episode (:mod:`lit_grpo.data.episodes`).
         environment: A multi-turn environment, ``{class_path, init_args}``: one
             instance per episode, its ``reset(**row)`` text added to the prompt,
-            its methods the episode's tools, its ``get_reward()`` a reward.
+            its methods the episode's tools, its ``get_reward()`` a reward. One
+            init arg can be set from the command line:
+            ``--data.environment.init_args.max_guesses=3``.
         max_turns: Most assistant turns per episode.
         tool_timeout: Seconds one tool call may run before its result is a timeout error.
         max_episode_tokens: Most tokens after the prompt, the model's and the
@@ -141,7 +143,7 @@ class OnPolicyDataModule(L.LightningDataModule):
         max_sampling_rounds: int = 4,
         seed: int = 0,
         tools: list[str] | None = None,
-        environment: dict | None = None,
+        environment: dict[str, Any] | None = None,
         max_turns: int = 3,
         tool_timeout: float = 10.0,
         max_episode_tokens: int | None = None,
