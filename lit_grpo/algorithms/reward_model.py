@@ -234,7 +234,6 @@ def suffix_scores(model: nn.Module, head: nn.Linear, input_ids: torch.Tensor, at
     """
     from lit_grpo.model.kv_cache import with_cache
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
     B = len(input_ids) // 2
     lengths = attention_mask.sum(-1)  # [2B]
     same = (input_ids[:B] == input_ids[B:]) & attention_mask[:B].bool() & attention_mask[B:].bool()  # [B, T]
@@ -246,7 +245,7 @@ def suffix_scores(model: nn.Module, head: nn.Linear, input_ids: torch.Tensor, at
     source = (shared[rows][:, None] + offsets).clamp(max=input_ids.shape[1] - 1)  # [2B, S]
     suffix_mask = (offsets < suffix_lengths[:, None]).long()  # [2B, S]
     full_pass = any(getattr(m, "gradient_checkpointing", False) is True or isinstance(m, FSDPModule)
-                    for m in base.modules())
+                    for m in model.modules())
     if full_pass or int(shared.max()) == 0:
         hidden = final_hidden_states(model, input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         hidden = hidden.gather(1, source[..., None].expand(-1, -1, hidden.shape[-1]))  # [2B, S, H]
