@@ -86,15 +86,19 @@ class PolicyCli(LightningCLI):
         self._check_strategy()
         self._check_ckpt_path()
 
+    def _command_config(self):
+        """The parsed options of the subcommand (``fit``, ``validate``), or all of them without one
+        (``self.subcommand`` is only set once parsing returns)."""
+        subcommand = self.config.get("subcommand")
+        return self.config.get(subcommand) if subcommand else self.config
+
     def _check_strategy(self) -> None:
         """Refuse a strategy given as a class name (``--trainer.strategy ModelParallelStrategy``):
         Lightning reads a string as a registered name and fails later with a message that
         does not say how to pass the class."""
         from lightning.pytorch import strategies
 
-        subcommand = self.config.get("subcommand")
-        config = self.config.get(subcommand) if subcommand else self.config
-        value = (config.get("trainer") or {}).get("strategy") if config is not None else None
+        value = (self._command_config().get("trainer") or {}).get("strategy")
         named = getattr(strategies, value, None) if isinstance(value, str) else None
         if isinstance(named, type) and issubclass(named, strategies.Strategy):
             raise ValueError(
@@ -110,9 +114,8 @@ class PolicyCli(LightningCLI):
         the ones saved in it, silently: a checkpoint of another policy would
         otherwise train that policy instead of the one asked for.
         """
-        subcommand = self.config.get("subcommand")
-        config = self.config.get(subcommand) if subcommand else None
-        path = config.get("ckpt_path") if config is not None else None
+        config = self._command_config()
+        path = config.get("ckpt_path")
         if path == "last":
             path = _default_last_checkpoint(config.get("trainer") or {})
         if not _is_checkpoint_file(path):
