@@ -81,8 +81,11 @@ class PolicyCli(LightningCLI):
 
     def parse_arguments(self, parser, args) -> None:
         """Parse the command line; first check the YAML files it names, then its ``--ckpt_path``."""
-        check_yaml_files(sys.argv[1:] if args is None else args if isinstance(args, list) else [])
-        super().parse_arguments(parser, args)
+        argv = sys.argv[1:] if args is None else args
+        if isinstance(argv, list):
+            check_yaml_files(argv)
+            argv = replaced_environments(argv)
+        super().parse_arguments(parser, argv)
         self._check_strategy()
         self._check_ckpt_path()
 
@@ -211,6 +214,24 @@ def _is_checkpoint_file(path) -> bool:
     a model registry, or a sharded checkpoint's folder)."""
     return (bool(path) and path not in ("last", "best", "hpc") and not str(path).startswith("registry")
             and "://" not in str(path) and not Path(path).is_dir())
+
+
+def replaced_environments(argv: list[str]) -> list[str]:
+    """``argv`` with ``--data.environment=null`` before each option that gives ``data.environment``
+    a whole new value or class (``--data.environment=JSON``, ``--data.environment.class_path=X``).
+
+    ``data.environment`` is a dict-typed field, and jsonargparse crashes (``'dict' object has no
+    attribute 'init_args'``) when such an option replaces the environment a config file set.
+    Clearing it first gives the option's own value: a new class starts from its defaults, as
+    jsonargparse treats a changed ``class_path``; ``--data.environment.init_args.NAME=VALUE``
+    still overrides one argument of the config's environment.
+    """
+    out = []
+    for token in argv:
+        if token.split("=", 1)[0] in ("--data.environment", "--data.environment.class_path"):
+            out.append("--data.environment=null")
+        out.append(token)
+    return out
 
 
 def check_yaml_files(argv: list[str]) -> None:

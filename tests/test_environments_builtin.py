@@ -273,9 +273,20 @@ def test_factory_check_names_the_class_the_row_and_the_error():
         EnvironmentFactory("lit_grpo.environments.builtin.GuessNumber").check([{"secret": 11}])
 
 
-def test_an_init_arg_set_on_the_command_line_reaches_the_environment(capsys):
+GUESS = "lit_grpo.environments.builtin.GuessNumber"
+
+
+@pytest.mark.parametrize("options, init_args", [
     # jsonargparse files --data.environment.init_args.max_guesses=3 as environment["max_guesses"]
     # (the field is a dict); it was silently ignored, the config's 4 kept.
+    (["--data.environment.init_args.max_guesses=3"], {"max_guesses": 3, "show_interval": True}),
+    # A whole new value or class over the config's crashed inside jsonargparse ('dict' object has
+    # no attribute 'init_args'); it now replaces the config's environment.
+    ([f'--data.environment={{"class_path": "{GUESS}", "init_args": {{"max_guesses": 3}}}}'], {"max_guesses": 3}),
+    (["--data.environment", f'{{"class_path": "{GUESS}", "init_args": {{"max_guesses": 3}}}}'], {"max_guesses": 3}),
+    ([f"--data.environment.class_path={GUESS}", "--data.environment.init_args.max_guesses=3"], {"max_guesses": 3}),
+])
+def test_the_environment_set_on_the_command_line_reaches_the_run(capsys, options, init_args):
     from pathlib import Path
 
     import yaml
@@ -285,9 +296,9 @@ def test_an_init_arg_set_on_the_command_line_reaches_the_environment(capsys):
 
     config = Path(__file__).parent.parent / "configs" / "guess_number.yaml"
     with pytest.raises(SystemExit):
-        main(["fit", "--config", str(config), "--data.environment.init_args.max_guesses=3", "--print_config"])
+        main(["fit", "--config", str(config), *options, "--print_config"])
     environment = yaml.safe_load(capsys.readouterr().out)["data"]["environment"]
     setup = EpisodeSetup(None, environment, max_turns=5, tool_timeout=10.0, max_episode_tokens=240)
-    assert setup.factory.init_args == {"max_guesses": 3, "show_interval": True}
+    assert setup.factory.init_args == init_args
     environment, rules, _ = setup.factory.new({"secret": 7})
     assert environment.max_guesses == 3 and "3 guesses" in rules
