@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import warnings
 
 import torch
 from torch import nn
@@ -174,14 +175,23 @@ def _fusable_head(model: nn.Module) -> nn.Linear | None:
 
 @contextlib.contextmanager
 def _head_removed(model: nn.Module, head: nn.Linear | None):
-    """Swap the output head for an identity while the model runs (no-op for ``None``)."""
+    """Swap the output head for an identity while the model runs (no-op for ``None``).
+
+    The model's "logits" are then a slice of its final hidden states (the positions kept),
+    a view: FSDP2 warns that its root returned one, for fear of an in-place op on it that
+    would skip its pre-backward hook. Only :func:`~lit_grpo.objectives.head_logprobs` reads
+    them, out of place, so that warning is silenced here, and only here.
+    """
     if head is None:
         yield
         return
     base = _base_model(model)
     base.set_output_embeddings(nn.Identity())
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor",
+                                    category=UserWarning)
+            yield
     finally:
         base.set_output_embeddings(head)
 
