@@ -1,8 +1,9 @@
 """A callback for tests/test_chaos.py: SIGKILL its own process at one chosen moment.
 
 Each phase is a real point in a run: inside a rollout's decoding loop, inside
-``backward``, half-way through writing a checkpoint file, before an optimizer
-step, and half-way through writing the exported adapter. Also the reward the
+``backward``, half-way through writing a checkpoint file, between a sharded
+checkpoint's shards and its ``meta.pt``, before an optimizer step, and half-way
+through writing the exported adapter. Also the reward the
 chaos runs train on (the tiny random model never answers right).
 """
 
@@ -12,7 +13,10 @@ import io
 import os
 import signal
 
+from pathlib import Path
+
 import lightning as L
+import lightning.pytorch.strategies.model_parallel as model_parallel
 import peft.peft_model
 import torch
 from safetensors.torch import save as safetensors_bytes
@@ -53,7 +57,10 @@ class Chaos(L.Callback):
             ``backward`` (inside backward of micro-batch ``index``),
             ``optimizer`` (before the optimizer step after micro-batch ``index``),
             ``checkpoint`` (half-way through writing the checkpoint of global
-            step ``index``), ``export`` (half-way through the adapter file).
+            step ``index``), ``sharded_checkpoint`` (under ModelParallelStrategy,
+            after every rank wrote its shards of ``last.ckpt`` at global step
+            ``index``, before rank 0 writes its ``meta.pt``), ``export`` (half-way
+            through the adapter file).
         epoch: The epoch in which to strike (not used by ``checkpoint``/``export``).
         index: See ``phase``.
         group: Kill the whole process group (every rank of a multi-process run started in a
@@ -86,6 +93,15 @@ class Chaos(L.Callback):
                 save(obj, f, *args, **kwargs)
 
             lit_grpo.training.checkpointing.torch.save = half_save  # the torch.save of atomic_torch_save
+        elif self.phase == "sharded_checkpoint":
+            shards = model_parallel._distributed_checkpoint_save
+
+            def shards_then_die(state, path):
+                shards(state, path)
+                if trainer.global_step == self.index and "last.ckpt" in Path(path).name:
+                    die()
+
+            model_parallel._distributed_checkpoint_save = shards_then_die
         elif self.phase == "export":
             def half_save_file(tensors, filename, metadata=None):
                 with open(filename, "wb") as f:

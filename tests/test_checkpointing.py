@@ -102,3 +102,23 @@ def test_atomic_folder_replaces_the_previous_export_or_keeps_it(tmp_path):
         (folder / "weights").write_text("second")
     assert (target / "weights").read_text() == "second"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]  # nothing left beside it
+
+
+@pytest.mark.parametrize("swap", ["exchange", "two_renames"])
+def test_put_in_place_replaces_the_folder_whole(tmp_path, monkeypatch, swap):
+    # Linux swaps the two folders in one step (renameat2 RENAME_EXCHANGE); elsewhere the previous
+    # folder is renamed aside first. Either way the new files are there, the old ones gone.
+    from lit_grpo.training import checkpointing
+
+    if swap == "two_renames":
+        monkeypatch.setattr(checkpointing, "_renameat2", lambda: None)
+    elif checkpointing._renameat2() is None:
+        pytest.skip("no renameat2 here")
+    target, new = tmp_path / "last.ckpt", tmp_path / ".last.ckpt.tmp"
+    for folder, text in ((target, "old"), (new, "new")):
+        folder.mkdir()
+        (folder / "shard").write_text(text)
+    (target / "only_in_old").write_text("stale")
+    checkpointing.put_in_place(new, target)
+    assert sorted(p.name for p in target.iterdir()) == ["shard"] and (target / "shard").read_text() == "new"
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]

@@ -209,9 +209,11 @@ def test_sigterm_ends_every_rank_even_inside_a_collective(tiny_model_dir, tmp_pa
 def test_fsdp2_killed_inside_epochs_resumes_from_its_sharded_checkpoints_to_the_same_adapter(tiny_model_dir,
                                                                                           tmp_path):
     # Both ranks SIGKILLed at once (the run's process group) before an optimizer step inside an epoch,
-    # twice; each time resumed with --ckpt_path last from the sharded checkpoint of the step before.
-    # 4 steps per epoch. (A gradient hook on a sharded parameter never fires under FSDP2, so the
-    # kill comes before the step, not inside backward.)
+    # twice, and once inside the save of last.ckpt (every shard written, rank 0's meta.pt not:
+    # written in place, the folder then held step 7's weights with step 6's loop state); each time
+    # resumed with --ckpt_path last from the sharded checkpoint of the step before. 4 steps per
+    # epoch. (A gradient hook on a sharded parameter never fires under FSDP2, so the kill comes
+    # before the step, not inside backward.)
     def run(root: Path, *extra: str) -> tuple[int, str]:
         return finish(start([
             "--config", "configs/quickstart.yaml",
@@ -226,11 +228,11 @@ def test_fsdp2_killed_inside_epochs_resumes_from_its_sharded_checkpoints_to_the_
     code, output = run(tmp_path / "straight")
     assert code == 0, output[-6000:]
     chaos = tmp_path / "chaos"
-    for epoch, index in ((0, 2), (1, 1)):
+    for phase, epoch, index in (("optimizer", 0, 2), ("optimizer", 1, 1), ("sharded_checkpoint", 1, 7)):
         code, output = run(chaos, "--ckpt_path", "last", "--trainer.callbacks+=chaos.Chaos",
-                           "--trainer.callbacks.phase=optimizer", f"--trainer.callbacks.epoch={epoch}",
+                           f"--trainer.callbacks.phase={phase}", f"--trainer.callbacks.epoch={epoch}",
                            f"--trainer.callbacks.index={index}", "--trainer.callbacks.group=true")
-        assert code == -9, f"optimizer {epoch} {index} did not strike:\n{output[-3000:]}"
+        assert code == -9, f"{phase} {epoch} {index} did not strike:\n{output[-3000:]}"
         assert list((chaos / "checkpoints" / "last.ckpt").glob("*.distcp"))  # sharded
     code, output = run(chaos, "--ckpt_path", "last")
     assert code == 0, output[-6000:]

@@ -22,7 +22,7 @@ import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
-from lit_grpo.training.checkpointing import atomic_folder, check_checkpoint
+from lit_grpo.training.checkpointing import atomic_folder, atomic_sharded_saves, check_checkpoint
 from lit_grpo.training.distributed import full_tensors, reduce_across_ranks, shard
 from lit_grpo.model.policy import PolicySpec, build_policy, load_tokenizer
 from lit_grpo.model.refusals import constructed
@@ -71,6 +71,7 @@ class PolicyModule(L.LightningModule):
     # ------------------------------------------------------------------ model
     def setup(self, stage: str) -> None:
         check_strategy(self.trainer)  # before configure_model loads any weights
+        atomic_sharded_saves(self.trainer.strategy)
 
     def configure_model(self) -> None:
         """Load the policy once (Lightning may call this more than once); shard it under FSDP2."""

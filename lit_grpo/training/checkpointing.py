@@ -20,6 +20,10 @@ by default; in Python pass ``Trainer(plugins=[AtomicCheckpointIO()])``.
 this plugin, so it is atomic too. ``save_last="link"`` is not: Lightning
 deletes the old link before creating the new one.
 
+Under ``ModelParallelStrategy`` (FSDP2) a checkpoint is a folder of shards that
+Lightning writes in place, outside any ``CheckpointIO``;
+:func:`atomic_sharded_saves` makes those saves replace the folder whole.
+
 Reading is checked too: a missing, damaged or truncated file fails with a
 message naming it and the checkpoints beside it (torch's own error for a
 damaged file is advice about ``weights_only``), and :func:`check_checkpoint`
@@ -30,8 +34,10 @@ refuses a checkpoint whose trainable weights were saved for another policy
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import errno
+import functools
 import os
 import shutil
 from collections.abc import Iterator, Mapping
@@ -266,28 +272,107 @@ def _fsync_folder(folder: Path) -> None:
 def atomic_folder(path: Path) -> Iterator[Path]:
     """A folder to fill that replaces ``path`` once the block ends without error.
 
-    The block writes into ``.<name>.tmp`` beside ``path``; then the previous
-    folder is moved aside, the new one renamed into place and the previous one
-    removed. A process killed at any moment leaves ``path`` whole (the previous
-    export or the new one) or absent (killed between the two renames), never
-    half-written; what a killed export left beside it is removed the next time.
+    The block writes into ``.<name>.tmp`` beside ``path``; its files are fsynced and the
+    folder put in place by :func:`put_in_place`. A process killed at any moment leaves
+    ``path`` whole, the previous folder or the new one, never half-written; what a killed
+    write left beside it is removed the next time.
     """
     path = Path(path)
-    tmp, old = path.with_name(f".{path.name}.tmp"), path.with_name(f".{path.name}.old")
-    for stale in (tmp, old):
+    tmp = path.with_name(f".{path.name}.tmp")
+    for stale in (tmp, path.with_name(f".{path.name}.old")):
         shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         yield tmp
-        for file in tmp.rglob("*"):
-            if file.is_file():
-                with open(file, "rb") as f:
-                    os.fsync(f.fileno())
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if path.exists():
-        os.replace(path, old)
-    os.replace(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
-    _fsync_folder(path.parent)
+    put_in_place(tmp, path)
+
+
+def put_in_place(tmp: Path, path: Path) -> None:
+    """Make the finished folder ``tmp`` be ``path`` (and remove the folder it replaces).
+
+    Its files are fsynced first. Where the OS swaps two folders in one step (Linux's
+    ``renameat2(RENAME_EXCHANGE)``) ``path`` is never absent; elsewhere the previous
+    folder is renamed to ``.<name>.old`` first, so a kill between the two renames leaves
+    ``path`` absent and the previous folder there.
+    """
+    for file in tmp.rglob("*"):
+        if file.is_file():
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+    previous = tmp
+    if not path.exists():
+        os.replace(tmp, path)
+    elif not _exchange(tmp, path):
+        previous = path.with_name(f".{path.name}.old")
+        shutil.rmtree(previous, ignore_errors=True)
+        os.replace(path, previous)
+        os.replace(tmp, path)
+    _fsync_folder(path.parent)  # the swap is durable before the previous folder goes
+    shutil.rmtree(previous, ignore_errors=True)
+
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
+
+
+@functools.cache
+def _renameat2():
+    """libc's ``renameat2`` (glibc 2.28+, Linux), or ``None``."""
+    try:
+        return getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    except OSError:
+        return None
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one step; ``False`` where the OS or the filesystem cannot."""
+    renameat2 = _renameat2()
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    error = ctypes.get_errno()
+    if error in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # a kernel or filesystem without it
+        return False
+    raise OSError(error, os.strerror(error), str(a), None, str(b))
+
+
+def atomic_sharded_saves(strategy) -> None:
+    """Make a ``ModelParallelStrategy``'s sharded checkpoints replace their folder whole.
+
+    Lightning writes a sharded checkpoint into the folder it replaces: every rank's
+    ``.distcp`` shard, then rank 0's ``meta.pt`` with the loops' state. A run killed
+    during that save leaves the new weights beside the old ``meta.pt`` (a resume that
+    silently trains steps again on weights that already took them) or a mix of old and
+    new shards. Here every rank writes into ``.<name>.tmp`` beside the folder and, once
+    all have, rank 0 puts it in place (:func:`put_in_place`). ``GRPOModule`` and the
+    other modules apply this in ``setup``; other strategies, full-state saves and remote
+    paths are left as they are.
+    """
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    if not isinstance(strategy, ModelParallelStrategy) or getattr(strategy, "_atomic_sharded_saves", False):
+        return
+    save = strategy.save_checkpoint
+
+    def save_whole(checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        path = strategy.broadcast(filepath)  # rank 0's path, as Lightning's save does
+        sharded = getattr(strategy, "_save_distributed_checkpoint", True)  # False: one full-state file
+        if storage_options is not None or not sharded or not _is_local_file_protocol(path):
+            save(checkpoint, path, storage_options)
+            return
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp")
+        if strategy.global_rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a killed save
+        strategy.barrier("sharded_save_begins")
+        save(checkpoint, tmp)
+        strategy.barrier("sharded_save_written")  # every shard and meta.pt are on disk
+        if strategy.global_rank == 0:
+            put_in_place(tmp, path)
+        strategy.barrier("sharded_save_in_place")
+
+    strategy.save_checkpoint = save_whole
+    strategy._atomic_sharded_saves = True
