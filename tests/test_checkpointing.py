@@ -122,3 +122,11 @@ def test_put_in_place_replaces_the_folder_whole(tmp_path, monkeypatch, swap):
     checkpointing.put_in_place(new, target)
     assert sorted(p.name for p in target.iterdir()) == ["shard"] and (target / "shard").read_text() == "new"
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+    # A sharded checkpoint over a single-file one (a DDP run's last.ckpt in the same folder).
+    single = tmp_path / "single.ckpt"
+    single.write_text("one file")
+    new.mkdir()
+    (new / "shard").write_text("sharded")
+    checkpointing.put_in_place(new, single)
+    assert (single / "shard").read_text() == "sharded"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "single.ckpt"]

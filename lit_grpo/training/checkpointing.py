@@ -307,11 +307,19 @@ def put_in_place(tmp: Path, path: Path) -> None:
         os.replace(tmp, path)
     elif not _exchange(tmp, path):
         previous = path.with_name(f".{path.name}.old")
-        shutil.rmtree(previous, ignore_errors=True)
+        _remove(previous)
         os.replace(path, previous)
         os.replace(tmp, path)
     _fsync_folder(path.parent)  # the swap is durable before the previous folder goes
-    shutil.rmtree(previous, ignore_errors=True)
+    _remove(previous)
+
+
+def _remove(path: Path) -> None:
+    """Delete a folder or a file (a sharded checkpoint may replace a single-file one), if there."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
@@ -366,7 +374,7 @@ def atomic_sharded_saves(strategy) -> None:
         path = Path(path)
         tmp = path.with_name(f".{path.name}.tmp")
         if strategy.global_rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # left by a killed save
+            _remove(tmp)  # left by a killed save
         strategy.barrier("sharded_save_begins")
         save(checkpoint, tmp)
         strategy.barrier("sharded_save_written")  # every shard and meta.pt are on disk
