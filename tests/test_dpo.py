@@ -117,6 +117,17 @@ def test_arithmetic_preferences_draw_the_slips_asked_for():
         arithmetic_preferences(5, seed=0, slips=["off_by_2"])
 
 
+def test_arithmetic_preferences_draw_weighted_slips_in_their_proportions():
+    rows = arithmetic_preferences(4000, seed=3, ops="+", slips={"off_by_1": 3, "off_by_10": 1})
+    assert [r["prompt"] for r in rows] == [r["prompt"] for r in arithmetic_preferences(4000, seed=3, ops="+")]
+    kinds = [slip_kind(int(r["answer"]), int(r["rejected"].split("= ")[1])) for r in rows]
+    assert set(kinds) == {"off_by_1", "off_by_10"}
+    assert 0.72 < kinds.count("off_by_1") / len(kinds) < 0.78  # 3 : 1, where unweighted it is 1 : 1
+    for bad in ({"off_by_1": 0}, {"off_by_2": 1}, {"off_by_1": "3"}, {}):
+        with pytest.raises(ValueError, match=r"slips=.*or a mapping of those kinds to positive weights"):
+            arithmetic_preferences(5, seed=0, slips=bad)
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> str:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)

@@ -50,7 +50,7 @@ the tens digit off by one, the last two digits swapped."""
 
 
 def arithmetic_preferences(n: int, seed: int, digits: int | list[int] = 2, ops: str = "+-*",
-                           slips: list[str] | None = None) -> list[dict]:
+                           slips: list[str] | dict[str, float] | None = None) -> list[dict]:
     """Generate ``n`` arithmetic preference pairs: a right and a wrong answer.
 
     The questions are those of :func:`arithmetic` with the same arguments.
@@ -62,15 +62,22 @@ def arithmetic_preferences(n: int, seed: int, digits: int | list[int] = 2, ops: 
         seed: Random seed; the same seed gives the same rows.
         digits: Digits per operand (2 gives 10..99), or ``[digits of A, digits of B]``.
         ops: Which of ``+ - *`` to draw from.
-        slips: The kinds of slip to draw from (:data:`SLIPS`); all by default. An
-            answer that has none of them (``swapped`` alone, and equal digits) gets any.
+        slips: The kinds of slip to draw from (:data:`SLIPS`); all by default, each
+            near miss equally likely. A mapping ``{kind: weight}`` draws the kind first,
+            in those proportions among the kinds the answer has, then one of its near
+            misses: ``{off_by_1: 3, off_by_10: 1}`` makes a quarter of the pairs ±10.
+            An answer that has none of the kinds (``swapped`` alone, and equal digits)
+            gets any near miss.
 
     Returns:
         Rows with ``prompt``, ``chosen``, ``rejected`` and ``answer``.
     """
+    weights = slips if isinstance(slips, dict) else None
     unknown = sorted(set(slips or ()) - set(SLIPS))
-    if slips is not None and (unknown or not slips):
-        raise ValueError(f"arithmetic_preferences slips={slips!r}; expected a non-empty list drawn from {SLIPS}.")
+    if slips is not None and (unknown or not slips or (weights is not None and not all(
+            type(w) in (int, float) and w > 0 for w in weights.values()))):
+        raise ValueError(f"arithmetic_preferences slips={slips!r}; expected a non-empty list drawn from {SLIPS}, "
+                         "or a mapping of those kinds to positive weights.")
     rng = random.Random(seed + 1)  # a stream of its own: questions stay those of `arithmetic`
     rows = []
     for a, op, b in _operands(n, seed, digits, ops):
@@ -78,6 +85,9 @@ def arithmetic_preferences(n: int, seed: int, digits: int | list[int] = 2, ops: 
         wrong = near_misses(right)
         if slips:
             wrong = [w for w in wrong if slip_kind(right, w) in slips] or wrong
+        if weights and len(kinds := sorted({slip_kind(right, w) for w in wrong} & set(weights))) > 1:
+            kind = rng.choices(kinds, [weights[k] for k in kinds])[0]
+            wrong = [w for w in wrong if slip_kind(right, w) == kind]
         rows.append({
             "prompt": f"What is {a} {op} {b}?",
             "chosen": f"{a} {op} {b} = {right}",
