@@ -24,8 +24,13 @@ against K rejected ones), so every step contrasts answers to the same questions.
 the held-out pairs keep every kind, and their accuracy is printed by kind.
 ``--curriculum off_by_1:350 off_by_10:350`` trains the first 350 steps on the +-1 slips
 only, the next 350 on the +-10 slips, then on ``--kinds`` (one digit at a time).
+A stage may weight several slips, ``off_by_1*3+off_by_10:300`` (each pair's kind drawn
+3:1 among those its answer has, as ``arithmetic_preferences(slips={...})`` draws them).
 ``--suffix-weight W`` adds W times the loss at every token from each pair's first
 difference (``RewardModelModule(suffix_weight=)``), from step ``--suffix-from`` on.
+``--init-rm FOLDER`` starts from what ``lit-grpo rm fit --export_adapter FOLDER`` wrote
+(its ``adapter/``: the LoRA weights and the head), trained on the same ``--init-adapter``,
+so a stage can follow a finished run without repeating it.
 """
 
 from __future__ import annotations
@@ -36,11 +41,14 @@ import random
 import time
 
 import torch
+from peft import set_peft_model_state_dict
+from safetensors.torch import load_file
 
 from lit_grpo.algorithms.reward_model import RewardModelModule, last_scores, pair_loss, pair_scores, suffix_scores
 from lit_grpo.data.reward_pairs import RewardDataModule
 from lit_grpo.data.tasks import SLIPS, arithmetic_preferences, near_misses, slip_kind
 from lit_grpo.model.policy import LoraSpec, PolicySpec
+from lit_grpo.rewards.reward_model import ADAPTER_DIR, HEAD_FILE
 
 HELD_OUT, WINDOW, KINDS = 64, 160, SLIPS
 
@@ -54,6 +62,41 @@ def slips(row: dict) -> list[dict]:
     """The row with each of its answer's :func:`~lit_grpo.data.tasks.near_misses` as its rejected reply."""
     equation = row["chosen"].rsplit("= ", 1)[0]
     return [{**row, "rejected": f"{equation}= {wrong}"} for wrong in near_misses(int(row["answer"]))]
+
+
+def stage_weights(text: str) -> dict[str, float] | None:
+    """``off_by_1*3+off_by_10`` as ``{"off_by_1": 3.0, "off_by_10": 1.0}``; None if it does not parse."""
+    weights = {}
+    for part in text.split("+"):
+        kind, _, weight = part.partition("*")
+        try:
+            weights[kind] = float(weight or 1)
+        except ValueError:
+            return None
+        if kind not in KINDS or not weights[kind] > 0:
+            return None
+    return weights
+
+
+def draw(pick: random.Random, pairs: list[dict], kinds: dict[str, float], k: int) -> list[dict]:
+    """``k`` of a question's ``pairs`` (one per slip): with one kind weighted alike, ``k`` of those of
+    ``kinds``; otherwise each drawn as ``arithmetic_preferences(slips=kinds)`` draws, kind first by weight."""
+    eligible = [p for p in pairs if slip(p) in kinds]
+    present = sorted({slip(p) for p in eligible})
+    if len(set(kinds.values())) == 1 or len(present) < 2:
+        return pick.sample(eligible, k)
+    chosen = pick.choices(present, [kinds[kind] for kind in present], k=k)
+    return [pick.choice([p for p in eligible if slip(p) == kind]) for kind in chosen]
+
+
+def load_rm(module: RewardModelModule, folder: str) -> None:
+    """Put the adapter and head an ``rm fit`` export wrote into ``module`` (built with the same policy spec)."""
+    adapter = f"{folder}/{ADAPTER_DIR}"
+    result = set_peft_model_state_dict(module.policy, load_file(f"{adapter}/adapter_model.safetensors"))
+    if result.unexpected_keys:
+        raise ValueError(f"--init-rm {folder!r}: adapter weights this model lacks, e.g. {result.unexpected_keys[0]}")
+    with torch.no_grad():
+        module.reward_head.weight.copy_(load_file(f"{adapter}/{HEAD_FILE}")["weight"])
 
 
 PAIRS = RewardDataModule(max_prompt_length=128, max_completion_length=32)  # the config's rendering
@@ -113,6 +156,7 @@ def main() -> None:
     parser.add_argument("--attn", default=None)
     parser.add_argument("--model", default="embedded")
     parser.add_argument("--init-adapter", default="runs/sft_quickstart/adapter", help="\"\": none")
+    parser.add_argument("--init-rm", default=None, help="an rm fit export to start from (its adapter and head)")
     args = parser.parse_args()
     print(vars(args), flush=True)
     torch.manual_seed(0)
@@ -122,17 +166,21 @@ def main() -> None:
     module.configure_model()
     if args.head_init == "zero":
         torch.nn.init.zeros_(module.reward_head.weight)
+    if args.init_rm:
+        load_rm(module, args.init_rm)
     head, adapter = list(module.reward_head.parameters()), [p for p in module.policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW([{"params": adapter, "lr": args.lr},
                                    {"params": head, "lr": args.head_lr or args.lr}], weight_decay=0.0)
     peaks = [group["lr"] for group in optimizer.param_groups]
     stages, end = [], 0  # (kinds, the step the stage ends at)
     for stage in args.curriculum:
-        kind, _, steps = stage.rpartition(":")
-        if kind not in KINDS or not steps.isdigit():
-            parser.error(f"--curriculum {stage!r}: expected KIND:STEPS with KIND one of {KINDS}")
+        kinds, _, steps = stage.rpartition(":")
+        weights = stage_weights(kinds)
+        if weights is None or not steps.isdigit():
+            parser.error(f"--curriculum {stage!r}: expected KIND[*WEIGHT][+KIND[*WEIGHT]...]:STEPS with KIND one "
+                         f"of {KINDS}")
         end += int(steps)
-        stages.append(([kind], end))
+        stages.append((weights, end))
     questions = args.batch // args.per_question
     if not 1 <= args.per_question <= 4 or questions * args.per_question != args.batch:
         parser.error(f"--per-question={args.per_question}: expected 1 to 4 dividing --batch={args.batch}")
@@ -149,10 +197,9 @@ def main() -> None:
         for group, peak in zip(optimizer.param_groups, peaks):
             group["lr"] = peak * max(scale, 1e-3)
         batch = train[step * questions:(step + 1) * questions]
-        kinds = next((stage for stage, end in stages if step < end), args.kinds)
-        if args.per_question > 1 or set(kinds) != set(KINDS):
-            batch = [pair for row in batch
-                     for pair in pick.sample([s for s in slips(row) if slip(s) in kinds], args.per_question)]
+        kinds = next((stage for stage, end in stages if step < end), dict.fromkeys(args.kinds, 1.0))
+        if args.per_question > 1 or set(kinds) != set(KINDS) or len(set(kinds.values())) > 1:
+            batch = [pair for row in batch for pair in draw(pick, slips(row), kinds, args.per_question)]
         every, lengths = suffix_scores(module.policy, module.reward_head, *encode(module, batch),
                                        module.tokenizer.pad_token_id)
         chosen, rejected = last_scores(every, lengths).chunk(2)
