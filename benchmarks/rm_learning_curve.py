@@ -46,7 +46,7 @@ from safetensors.torch import load_file
 
 from lit_grpo.algorithms.reward_model import RewardModelModule, last_scores, pair_loss, pair_scores, suffix_scores
 from lit_grpo.data.reward_pairs import RewardDataModule
-from lit_grpo.data.tasks import SLIPS, arithmetic_preferences, near_misses, slip_kind
+from lit_grpo.data.tasks import SLIPS, arithmetic_preferences, draw_near_miss, near_misses, slip_kind
 from lit_grpo.model.policy import LoraSpec, PolicySpec
 from lit_grpo.rewards.reward_model import ADAPTER_DIR, HEAD_FILE
 
@@ -58,10 +58,14 @@ def slip(row: dict) -> str:
     return slip_kind(int(row["chosen"].split("= ")[1]), int(row["rejected"].split("= ")[1]))
 
 
+def rejecting(row: dict, wrong: int) -> dict:
+    """The row with ``wrong`` as the result of its rejected reply."""
+    return {**row, "rejected": f"{row['chosen'].rsplit('= ', 1)[0]}= {wrong}"}
+
+
 def slips(row: dict) -> list[dict]:
     """The row with each of its answer's :func:`~lit_grpo.data.tasks.near_misses` as its rejected reply."""
-    equation = row["chosen"].rsplit("= ", 1)[0]
-    return [{**row, "rejected": f"{equation}= {wrong}"} for wrong in near_misses(int(row["answer"]))]
+    return [rejecting(row, wrong) for wrong in near_misses(int(row["answer"]))]
 
 
 def stage_weights(text: str) -> dict[str, float] | None:
@@ -76,17 +80,6 @@ def stage_weights(text: str) -> dict[str, float] | None:
         if kind not in KINDS or not weights[kind] > 0:
             return None
     return weights
-
-
-def draw(pick: random.Random, pairs: list[dict], kinds: dict[str, float], k: int) -> list[dict]:
-    """``k`` of a question's ``pairs`` (one per slip): with one kind weighted alike, ``k`` of those of
-    ``kinds``; otherwise each drawn as ``arithmetic_preferences(slips=kinds)`` draws, kind first by weight."""
-    eligible = [p for p in pairs if slip(p) in kinds]
-    present = sorted({slip(p) for p in eligible})
-    if len(set(kinds.values())) == 1 or len(present) < 2:
-        return pick.sample(eligible, k)
-    chosen = pick.choices(present, [kinds[kind] for kind in present], k=k)
-    return [pick.choice([p for p in eligible if slip(p) == kind]) for kind in chosen]
 
 
 def load_rm(module: RewardModelModule, folder: str) -> None:
@@ -181,6 +174,9 @@ def main() -> None:
                          f"of {KINDS}")
         end += int(steps)
         stages.append((weights, end))
+    if args.per_question > 1 and any(len(set(weights.values())) > 1 for weights, _ in stages):
+        parser.error(f"--per-question={args.per_question} with a weighted --curriculum stage: a weighted stage "
+                     "draws one slip per question; use --per-question 1")
     questions = args.batch // args.per_question
     if not 1 <= args.per_question <= 4 or questions * args.per_question != args.batch:
         parser.error(f"--per-question={args.per_question}: expected 1 to 4 dividing --batch={args.batch}")
@@ -198,8 +194,13 @@ def main() -> None:
             group["lr"] = peak * max(scale, 1e-3)
         batch = train[step * questions:(step + 1) * questions]
         kinds = next((stage for stage, end in stages if step < end), dict.fromkeys(args.kinds, 1.0))
-        if args.per_question > 1 or set(kinds) != set(KINDS) or len(set(kinds.values())) > 1:
-            batch = [pair for row in batch for pair in draw(pick, slips(row), kinds, args.per_question)]
+        weighted = len(set(kinds.values())) > 1
+        if args.per_question > 1:
+            batch = [pair for row in batch
+                     for pair in pick.sample([s for s in slips(row) if slip(s) in kinds], args.per_question)]
+        elif weighted or set(kinds) != set(KINDS):
+            batch = [rejecting(row, draw_near_miss(pick, int(row["answer"]), kinds if weighted else list(kinds)))
+                     for row in batch]
         every, lengths = suffix_scores(module.policy, module.reward_head, *encode(module, batch),
                                        module.tokenizer.pad_token_id)
         chosen, rejected = last_scores(every, lengths).chunk(2)

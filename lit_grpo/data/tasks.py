@@ -72,29 +72,35 @@ def arithmetic_preferences(n: int, seed: int, digits: int | list[int] = 2, ops: 
     Returns:
         Rows with ``prompt``, ``chosen``, ``rejected`` and ``answer``.
     """
-    weights = slips if isinstance(slips, dict) else None
     unknown = sorted(set(slips or ()) - set(SLIPS))
-    if slips is not None and (unknown or not slips or (weights is not None and not all(
-            type(w) in (int, float) and w > 0 for w in weights.values()))):
+    if slips is not None and (unknown or not slips or (isinstance(slips, dict) and not all(
+            type(w) in (int, float) and w > 0 for w in slips.values()))):
         raise ValueError(f"arithmetic_preferences slips={slips!r}; expected a non-empty list drawn from {SLIPS}, "
                          "or a mapping of those kinds to positive weights.")
     rng = random.Random(seed + 1)  # a stream of its own: questions stay those of `arithmetic`
     rows = []
     for a, op, b in _operands(n, seed, digits, ops):
         right = _OPS[op](a, b)
-        wrong = near_misses(right)
-        if slips:
-            wrong = [w for w in wrong if slip_kind(right, w) in slips] or wrong
-        if weights and len(kinds := sorted({slip_kind(right, w) for w in wrong} & set(weights))) > 1:
-            kind = rng.choices(kinds, [weights[k] for k in kinds])[0]
-            wrong = [w for w in wrong if slip_kind(right, w) == kind]
         rows.append({
             "prompt": f"What is {a} {op} {b}?",
             "chosen": f"{a} {op} {b} = {right}",
-            "rejected": f"{a} {op} {b} = {rng.choice(wrong)}",
+            "rejected": f"{a} {op} {b} = {draw_near_miss(rng, right, slips)}",
             "answer": str(right),
         })
     return rows
+
+
+def draw_near_miss(rng: random.Random, right: int, slips: list[str] | dict[str, float] | None = None) -> int:
+    """One of :func:`near_misses` of ``right``, drawn with ``rng`` as :func:`arithmetic_preferences`
+    draws its rejected answers: among those of the ``slips`` kinds (any if none is), and with a
+    mapping ``{kind: weight}`` the kind first, by weight among the kinds ``right`` has."""
+    wrong = near_misses(right)
+    if slips:
+        wrong = [w for w in wrong if slip_kind(right, w) in slips] or wrong
+    if isinstance(slips, dict) and len(kinds := sorted({slip_kind(right, w) for w in wrong} & set(slips))) > 1:
+        kind = rng.choices(kinds, [slips[k] for k in kinds])[0]
+        wrong = [w for w in wrong if slip_kind(right, w) == kind]
+    return rng.choice(wrong)
 
 
 def arithmetic_sft(n: int, seed: int, digits: int | list[int] = 2, ops: str = "+-*") -> list[dict]:
