@@ -52,7 +52,9 @@ from safetensors.torch import load_file
 from lit_grpo.algorithms.reward_model import RewardModelModule, last_scores, pair_loss, pair_scores, suffix_scores
 from lit_grpo.data.reward_pairs import RewardDataModule
 from lit_grpo.data.tasks import SLIPS, arithmetic_preferences, draw_near_miss, near_misses, slip_kind
+from lit_grpo.model.logprob_passes import final_hidden_states
 from lit_grpo.model.policy import LoraSpec, PolicySpec
+from lit_grpo.objectives import token_logprobs
 from lit_grpo.rewards.reward_model import ADAPTER_DIR, HEAD_FILE
 
 HELD_OUT, WINDOW, KINDS = 64, 160, SLIPS
@@ -128,14 +130,18 @@ def teacher_gaps(module: RewardModelModule, ids: torch.Tensor, mask: torch.Tenso
     token from the pair's first difference: ``([B, S] gaps, [B, S] the offsets both replies have)``.
 
     The SFT model is the policy with its adapter disabled; ``lengths`` are :func:`suffix_scores`'.
+    The output head runs at the positions that predict suffix tokens only.
     """
     with module.policy.disable_adapter():
-        logits = module.policy(input_ids=ids, attention_mask=mask).logits.float()
-    token = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # [2B, T - 1]
+        hidden = final_hidden_states(module.policy, input_ids=ids, attention_mask=mask, use_cache=False)
     offsets = torch.arange(int(lengths.max()), device=ids.device)  # [S]
     first = mask.sum(-1) - lengths  # [2B] the position of each row's first suffix token
-    position = (first[:, None] + offsets).clamp(max=ids.shape[1] - 1)
-    total = (token.gather(1, position - 1) * (offsets < lengths[:, None])).cumsum(-1)  # [2B, S]
+    position = (first[:, None] + offsets).clamp(max=ids.shape[1] - 1)  # [2B, S]
+    before = hidden.gather(1, (position - 1)[..., None].expand(-1, -1, hidden.shape[-1]))  # [2B, S, H]
+    head = module.policy.get_output_embeddings()
+    logits = head(before.to(head.weight.dtype))  # [2B, S, V]
+    token = token_logprobs(logits, ids.gather(1, position))  # [2B, S]
+    total = (token * (offsets < lengths[:, None])).cumsum(-1)  # [2B, S]
     (chosen, rejected), (chosen_lengths, rejected_lengths) = total.chunk(2), lengths.chunk(2)
     return chosen - rejected, offsets < torch.minimum(chosen_lengths, rejected_lengths)[:, None]
 
@@ -168,10 +174,10 @@ def main() -> None:
                         help="stages trained on one slip each before --kinds, e.g. off_by_1:350 off_by_10:350")
     parser.add_argument("--suffix-weight", type=float, default=0.0,
                         help="weight of a Bradley-Terry loss at every token from the pair's first differing one")
+    parser.add_argument("--suffix-from", type=int, default=0, help="the step --suffix-weight starts at")
     parser.add_argument("--distill-weight", type=float, default=0.0,
                         help="weight of the squared error to the SFT model's log-likelihood gaps (0: none)")
     parser.add_argument("--distill-scale", type=float, default=0.3, help="the gaps' scale in that loss")
-    parser.add_argument("--suffix-from", type=int, default=0, help="the step --suffix-weight starts at")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--attn", default=None)
     parser.add_argument("--model", default="embedded")

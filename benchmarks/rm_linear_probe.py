@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from lit_grpo.data.reward_pairs import RewardDataModule
 from lit_grpo.data.tasks import arithmetic_preferences
 from lit_grpo.model.policy import PolicySpec, build_policy, load_tokenizer
+from lit_grpo.objectives import token_logprobs
 from rm_learning_curve import slip
 
 HELD_OUT = 64  # configs/rm_quickstart.yaml's val_size: the first rows
@@ -64,7 +65,7 @@ def features(init_adapter: str, pairs: int) -> tuple[dict[tuple[int, int], torch
 
 def chosen_likelier(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``[B]`` whether each pair's chosen conversation (the first B of ``[2B, T]``) is the likelier."""
-    token_logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+    token_logp = token_logprobs(logits[:, :-1], ids[:, 1:])  # [2B, T - 1]
     likelihood = (token_logp * mask[:, 1:]).sum(-1)  # [2B]
     return likelihood[: len(ids) // 2] > likelihood[len(ids) // 2 :]
 
