@@ -36,6 +36,10 @@ token from each pair's first difference and ``--distill-scale`` times the SFT mo
 log-likelihood gap of the two replies up to that token (:func:`teacher_gaps`; the SFT
 model ranks 0.94 of the held-out pairs by likelihood): the language model's knowledge of
 the sums distilled into the head's scores.
+``--seed S`` changes the initialisation, the order of the training pairs and the slips drawn
+(the held-out pairs stay the same). Past the 8,036 training questions (1,004 steps of 8) the
+questions come round again with new slips drawn, so from there the windows are of new pairs,
+not of unseen questions; ``--held-out-every N`` prints the held-out accuracy every N steps.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ from lit_grpo.model.policy import LoraSpec, PolicySpec
 from lit_grpo.objectives import token_logprobs
 from lit_grpo.rewards.reward_model import ADAPTER_DIR, HEAD_FILE
 
-HELD_OUT, WINDOW, KINDS = 64, 160, SLIPS
+HELD_OUT, WINDOW, KINDS, QUESTIONS = 64, 160, SLIPS, 90 * 90  # every 2-digit sum
 
 
 def slip(row: dict) -> str:
@@ -178,6 +182,9 @@ def main() -> None:
     parser.add_argument("--distill-weight", type=float, default=0.0,
                         help="weight of the squared error to the SFT model's log-likelihood gaps (0: none)")
     parser.add_argument("--distill-scale", type=float, default=0.3, help="the gaps' scale in that loss")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the adapter's and head's initialisation, the training pairs' order and slips drawn")
+    parser.add_argument("--held-out-every", type=int, default=0, help="also score the held-out pairs every N steps")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--attn", default=None)
     parser.add_argument("--model", default="embedded")
@@ -185,7 +192,7 @@ def main() -> None:
     parser.add_argument("--init-rm", default=None, help="an rm fit export to start from (its adapter and head)")
     args = parser.parse_args()
     print(vars(args), flush=True)
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     spec = PolicySpec(name_or_path=args.model, init_adapter=args.init_adapter or None, dtype=args.dtype, attn_implementation=args.attn,
                       lora=LoraSpec(r=args.r, alpha=args.alpha) if args.r else None)
     module = RewardModelModule(policy=spec)
@@ -213,9 +220,13 @@ def main() -> None:
     questions = args.batch // args.per_question
     if not 1 <= args.per_question <= 4 or questions * args.per_question != args.batch:
         parser.error(f"--per-question={args.per_question}: expected 1 to 4 dividing --batch={args.batch}")
-    rows = arithmetic_preferences(HELD_OUT + args.steps * questions, 0, 2, "+")
-    pick = random.Random(0)
+    rows = arithmetic_preferences(min(HELD_OUT + args.steps * questions, QUESTIONS), 0, 2, "+")
+    pick = random.Random(args.seed)
     held_out, train = rows[:HELD_OUT], rows[HELD_OUT:]
+    if args.seed:  # the same held-out pairs; another initialisation, order and draw of slips
+        pick.shuffle(train)
+    laps = -(-args.steps * questions // len(train))  # past the last question, again with new slips drawn
+    train += [rejecting(row, draw_near_miss(pick, int(row["answer"]))) for _ in range(laps - 1) for row in train]
     start = time.time()
     print(f"held-out accuracy before: {held_out_accuracy(module, held_out)}", flush=True)
     history: list[tuple[str, bool, float]] = []
@@ -252,6 +263,8 @@ def main() -> None:
         if (step + 1) % 20 == 0:
             mean_score = float((chosen + rejected).mean().detach()) / 2
             report(step + 1, history, mean_score, (time.time() - start) / (step + 1))
+        if args.held_out_every and (step + 1) % args.held_out_every == 0 and step + 1 < args.steps:
+            print(f"step {step + 1}: held-out accuracy {held_out_accuracy(module, held_out)}", flush=True)
     after = held_out_accuracy(module, held_out)
     print(f"held-out accuracy after: {after}, {time.time() - start:.0f} s", flush=True)
 
