@@ -137,7 +137,7 @@ class PolicyModule(L.LightningModule):
 
     # ---------------------------------------------------------------- logging
     def log_reduced(self, values: Mapping[str, float | torch.Tensor], weight: float = 1.0,
-                    op: str = "mean", prog_bar: bool = False, on_step: bool = False) -> None:
+                    op: str = "mean", prog_bar: bool = False, on_step: bool = False) -> tuple[dict[str, float], float]:
         """Log epoch metrics reduced over all ranks here and now (see :func:`reduce_across_ranks`).
 
         A collective: every rank calls it at the same point with the same keys;
@@ -147,15 +147,16 @@ class PolicyModule(L.LightningModule):
         is read first (rank 0's progress bar) and deadlocks multi-process runs.
         The epoch value is the mean over the epoch's calls weighted by the
         total weight of each (``op="max"`` values are meant to be logged once
-        per epoch).
+        per epoch). Returns the reduced values and the total weight.
         """
         reduced, total = reduce_across_ranks(self.trainer.strategy, values, weight, op)
         if total <= 0:  # nothing to report on any rank (the same decision everywhere)
-            return
+            return reduced, total
         for name in reduced:
             _silence_sync_advice(name)
         self.log_dict(reduced, on_step=on_step, on_epoch=True, prog_bar=prog_bar, sync_dist=False,
                       batch_size=max(int(round(total)), 1))
+        return reduced, total
 
     def lr_scheduler_step(self, scheduler, metric) -> None:
         """Step the LR schedule only after an optimizer step that was taken.

@@ -49,6 +49,7 @@ class DPOModule(SupervisedModule):
     """
 
     shown_metrics = ("val/loss", "val/rewards/accuracy", "val/rewards/margin", "val/logps/accuracy")
+    pair_accuracy = "rewards/accuracy"
 
     def __init__(
         self,

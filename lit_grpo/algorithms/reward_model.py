@@ -70,9 +70,13 @@ class RewardModelModule(SupervisedModule):
             happens, a short path through the network, rather than only at the last
             token. The score, the validation accuracy and the export stay the last
             token's; ``0``: that loss alone (InstructGPT's, TRL's).
+        suffix_stages: The ``data.curriculum`` stages (their indices) whose training batches add the
+            ``suffix_weight`` loss; the others train the last token's loss alone (validation
+            always adds it). ``None``: every batch.
     """
 
     shown_metrics = ("val/loss", "val/accuracy", "val/margin")
+    pair_accuracy = "accuracy"
 
     def __init__(
         self,
@@ -83,12 +87,17 @@ class RewardModelModule(SupervisedModule):
         progress: bool = True,
         head_lr: float | None = None,
         suffix_weight: float = 0.0,
+        suffix_stages: list[int] | None = None,
     ) -> None:
         super().__init__(policy, optimizer, scheduler, max_nonfinite_steps)
         if head_lr is not None and not head_lr > 0:
             raise ValueError(f"model.head_lr={head_lr!r}; expected a learning rate > 0, or null for the optimizer's.")
         if not suffix_weight >= 0:
             raise ValueError(f"model.suffix_weight={suffix_weight!r}; expected a weight >= 0 (0: the last token only).")
+        if suffix_stages is not None and not (isinstance(suffix_stages, list) and all(
+                type(i) is int and i >= 0 for i in suffix_stages)):
+            raise ValueError(f"model.suffix_stages={suffix_stages!r}; expected a list of data.curriculum stage "
+                             "indices (0 is the first stage), or null for every batch.")
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self.reward_head: nn.Linear | None = None
 
@@ -119,7 +128,22 @@ class RewardModelModule(SupervisedModule):
     def batch_loss(self, batch: dict) -> LossOutput:
         every, lengths = suffix_scores(self.policy, self.reward_head, batch["input_ids"], batch["attention_mask"],
                                        self.tokenizer.pad_token_id)  # [2B, S], [2B]: each pair's prefix run once
-        return pair_loss(every, lengths, self.hparams.suffix_weight)
+        return pair_loss(every, lengths, self.suffix_weight())
+
+    def suffix_weight(self) -> float:
+        """The ``suffix_weight`` of the batch being trained or validated (``suffix_stages``)."""
+        stages = self.hparams.suffix_stages
+        if stages is None or not self.training:
+            return self.hparams.suffix_weight
+        return self.hparams.suffix_weight if self.trainer.datamodule.batch_stage() in stages else 0.0
+
+    def on_fit_start(self) -> None:
+        stages = self.hparams.suffix_stages
+        curriculum = getattr(self.trainer.datamodule, "stages", None)
+        if stages is not None and (curriculum is None or max(stages, default=0) >= len(curriculum)):
+            have = f"{len(curriculum)} stages" if curriculum else "no data.curriculum"
+            raise ValueError(f"model.suffix_stages={stages!r} names curriculum stages, and the data have {have}.")
+        super().on_fit_start()
 
     def batch_rows(self, batch: dict) -> int:
         return batch["input_ids"].shape[0] // 2  # pairs

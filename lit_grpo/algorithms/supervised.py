@@ -32,6 +32,7 @@ class SupervisedModule(PolicyModule):
     """
 
     shown_metrics: tuple[str, ...] = ("val/loss",)  # what the epoch summary prints
+    pair_accuracy: str | None = None  # the metric of batch_loss that is preference pairs' accuracy, if any
 
     @abc.abstractmethod
     def batch_loss(self, batch: dict) -> LossOutput:
@@ -54,8 +55,11 @@ class SupervisedModule(PolicyModule):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         result = self.batch_loss(batch)
         rows = self.batch_rows(batch)
-        self.log_reduced({f"train/{k}": v for k, v in result.metrics.items()}, weight=rows)
+        metrics, pairs = self.log_reduced({f"train/{k}": v for k, v in result.metrics.items()}, weight=rows)
         self.log_reduced({"train/loss": result.loss.detach()}, weight=rows, prog_bar=True, on_step=True)
+        end = getattr(self.trainer.datamodule, "end_batch", None)
+        if end is not None and self.pair_accuracy is not None:  # the same on every rank: a stage may end
+            end(metrics[f"train/{self.pair_accuracy}"], pairs)
         return result.loss
 
     # ------------------------------------------------------------- validation

@@ -23,7 +23,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from lit_grpo.data.batches import ResumableBatches
+from lit_grpo.data.batches import ResumableBatches, Stage
 from lit_grpo.data.prompts import chat_prompts
 from lit_grpo.data.sources import curriculum_rows, load_rows, rename_columns, split_rows
 from lit_grpo.generation.rollout import encode_prompts
@@ -64,8 +64,14 @@ class PreferenceDataModule(ResumableBatches, L.LightningDataModule):
             ``[{share: 0.35, task_args: {slips: [off_by_1]}}, {}]``. Each stage
             generates its ``share`` of ``train_size`` in new pairs with
             ``task_args`` updated by its own (the last has no ``share``: it
-            takes the rest); each epoch shuffles the pairs within a stage,
-            never across stages. The held-out pairs stay ``task_args``'.
+            takes the rest; past the task's questions a stage goes round them
+            again with new near misses, never the held-out ones); each epoch
+            shuffles the pairs within a stage, never across stages. A stage with
+            ``until: {accuracy: 0.95, pairs: 160}`` ends once its last 160
+            training pairs score 0.95 (each scored before its step: the reward
+            model's ``train/accuracy``, DPO's ``train/rewards/accuracy``), and
+            the next stage trains the rest of its share. The held-out pairs stay
+            ``task_args``'.
     """
 
     def __init__(
@@ -98,20 +104,26 @@ class PreferenceDataModule(ResumableBatches, L.LightningDataModule):
             raise ValueError(f"data.prompt_template={prompt_template!r} must contain '{{prompt}}'.")
         self.train_rows: list[dict] = []
         self.val_rows: list[dict] = []
-        self.stage_sizes: list[int] | None = None  # consecutive blocks of train_rows, trained in order
+        self.stages: list[Stage] | None = None  # consecutive blocks of train_rows, trained in order
 
     # ----------------------------------------------------------------- set-up
     def setup(self, stage: str | None = None) -> None:
         if self.train_rows:
             return
         hp = self.hparams
-        self.train_rows, self.val_rows = split_rows(self._load, hp.source, hp.split, hp.val_split, hp.train_size,
-                                                    hp.val_size)
-        if hp.curriculum:
-            stages = [self._checked(rows, "train") for rows in curriculum_rows(
-                hp.source, hp.curriculum, hp.task_args, hp.seed, hp.train_size, self.val_rows)]
-            self.train_rows = [row for rows in stages for row in rows]
-            self.stage_sizes = [len(rows) for rows in stages]
+        if not hp.curriculum:
+            self.train_rows, self.val_rows = split_rows(self._load, hp.source, hp.split, hp.val_split,
+                                                        hp.train_size, hp.val_size)
+            return
+        # The stages generate the training pairs (train_size may exceed the task's questions: they
+        # come round again); the held-out pairs are those a run without a curriculum holds out.
+        self.val_rows = split_rows(self._load, hp.source, hp.split, hp.val_split, 1, hp.val_size)[1]
+        blocks, budgets = curriculum_rows(hp.source, hp.curriculum, hp.task_args, hp.seed, hp.train_size,
+                                          self.val_rows)
+        blocks = [self._checked(rows, "train") for rows in blocks]
+        self.train_rows = [row for rows in blocks for row in rows]
+        self.stages = [Stage(len(rows), budget, stage.get("until"))
+                       for rows, budget, stage in zip(blocks, budgets, hp.curriculum)]
 
     def _load(self, split: str, size: int) -> list[dict]:
         hp = self.hparams
@@ -141,7 +153,7 @@ class PreferenceDataModule(ResumableBatches, L.LightningDataModule):
 
     # ---------------------------------------------------------------- loaders
     def train_dataloader(self) -> DataLoader:
-        return self.resumable_loader(self.train_rows, self.hparams.batch_size, self.collate, self.stage_sizes)
+        return self.resumable_loader(self.train_rows, self.hparams.batch_size, self.collate, self.stages)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_rows, batch_size=self.hparams.val_batch_size, collate_fn=self.collate)
