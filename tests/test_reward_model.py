@@ -10,6 +10,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from lit_grpo.algorithms.grpo import GRPOModule
@@ -245,9 +246,39 @@ def test_shared_base_scores_as_a_separate_copy_and_leaves_the_policy_alone(train
     assert all(torch.equal(v, after[k]) for k, v in before.items())  # base and actor adapter untouched
     assert {n: p.requires_grad for n, p in module.policy.named_parameters() if n in flags} == flags
     assert module.policy.active_adapter == "default" and module.policy.training
-    assert not any(p.requires_grad for n, p in module.policy.named_parameters() if ".reward." in n)
+    assert not any(p.requires_grad for n, p in module.policy.named_parameters() if ".rm_reward_model." in n)
     # checkpoints hold the actor adapter only: the frozen reward adapter is reloaded from its folder
     assert set(module.state_dict()) == {f"policy.{k}" for k in before if "lora_" in k and ".default." in k}
+
+
+def test_two_reward_models_on_one_shared_base_each_score_as_their_own_copy(trained_rm, tiny_model_dir, tmp_path):
+    # a second reward model: the first one's adapter and head, changed
+    _, data, folder = trained_rm
+    other = tmp_path / "other"
+    shutil.copytree(folder, other)
+    adapter = other / "adapter" / "adapter_model.safetensors"
+    save_file({k: -2 * v for k, v in load_file(adapter).items()}, adapter)
+    head = other / "adapter" / "reward_head.safetensors"
+    save_file({"weight": load_file(head)["weight"].flip(1).contiguous()}, head)
+
+    def policy() -> GRPOModule:
+        module = GRPOModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8)))
+        module.configure_model()
+        return module
+
+    prompts, replies = [r["prompt"] for r in data.val_rows], [r["chosen"] for r in data.val_rows]
+    module = policy()
+    both = [RewardModel(str(folder), shared_base=True, name="first"),
+            RewardModel(str(other), shared_base=True, name="second")]
+    RewardCombiner(both).bind(module)
+    assert {"rm_first", "rm_second"} <= set(module.policy.peft_config)
+    scores = []
+    for rm in both:
+        alone = RewardModel(rm.name_or_path, shared_base=True)
+        alone.bind(policy())
+        scores.append(torch.tensor(rm(prompts, replies)))
+        torch.testing.assert_close(scores[-1], torch.tensor(alone(prompts, replies)), rtol=1e-5, atol=1e-5)
+    assert (scores[0] - scores[1]).abs().max() > 1e-3  # each with its own adapter and head
 
 
 def test_reward_model_beside_a_rule_reward_with_weights(trained_rm):

@@ -13,7 +13,8 @@ Two ways to hold it:
   (``shared_base: true``, ``DIR/adapter`` of that export): actor, reference,
   PPO's critic and the reward model then share one copy of the base weights.
   The adapter must have been trained on the same base (``name_or_path`` and
-  ``init_adapter``) and with the same vocabulary.
+  ``init_adapter``) and with the same vocabulary. Several reward models can
+  share the base: each loads as an adapter of its own (``rm_<name>``).
 
 The score of a row is the head on the last hidden state of its rightmost
 token that is not padding, the rule transformers' sequence-classification
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +40,6 @@ from lit_grpo.rewards.base import Reward
 ADAPTER_DIR = "adapter"  # where rm fit's export keeps adapter + head, beside the full model
 HEAD_FILE = "reward_head.safetensors"  # weight [1, H]
 BASE_FILE = "lit_grpo_base.json"  # the base the adapter was trained on: name_or_path, init_adapter
-SHARED_ADAPTER = "reward"  # the peft adapter name on the policy's base
 
 
 def conversation_texts(tokenizer, prompts: list[str], replies: list[str], system_prompt: str | None) -> list[str]:
@@ -137,6 +138,8 @@ class RewardModel(Reward):
         self.module = None  # the training module, see bind()
         self.model: nn.Module | None = None  # the separate model, or the policy carrying the adapter
         self.head: nn.Linear | None = None  # the head on the shared base
+        # its peft adapter's name on the policy's base: one per reward, so several reward models can share it
+        self.adapter_name = "rm_" + re.sub(r"\W", "_", self.name)
 
     def bind(self, module) -> None:
         """Score on ``module``'s policy's device (and, with ``shared_base``, on the policy itself), loading now.
@@ -148,7 +151,7 @@ class RewardModel(Reward):
             return
         self.module = module
         if self.shared_base:
-            self.model, self.head = _shared_adapter(self.folder, module, self.tokenizer)
+            self.model, self.head = _shared_adapter(self.folder, self.adapter_name, module, self.tokenizer)
             return
         from transformers import AutoModelForSequenceClassification
 
@@ -188,7 +191,7 @@ class RewardModel(Reward):
         was_training = self.model.training
         self.model.eval()
         try:
-            with active_adapter(self.model, SHARED_ADAPTER) as model:
+            with active_adapter(self.model, self.adapter_name) as model:
                 return backbone_scores(model, self.head, ids, mask, self.tokenizer.pad_token_id)
         finally:
             self.model.train(was_training)
@@ -231,8 +234,8 @@ def _adapter_folder(name_or_path: str) -> str:
     return str(folder)
 
 
-def _shared_adapter(folder: str, module, tokenizer) -> tuple[nn.Module, nn.Linear]:
-    """Load the reward adapter (frozen) onto ``module.policy`` and its head on the policy's device."""
+def _shared_adapter(folder: str, adapter_name: str, module, tokenizer) -> tuple[nn.Module, nn.Linear]:
+    """Load the reward adapter (frozen) onto ``module.policy`` as ``adapter_name``, its head on the policy's device."""
     from safetensors.torch import load_file
 
     from lit_grpo.model.adapters import kept_requires_grad
@@ -252,10 +255,10 @@ def _shared_adapter(folder: str, module, tokenizer) -> tuple[nn.Module, nn.Linea
             raise ValueError(f"RewardModel name_or_path={folder!r} was trained on policy.{field}={base.get(field)!r}, "
                              f"this policy has {ours!r}; with shared_base=true both must be the same base (train the "
                              "reward model with this policy's settings, or set shared_base=false).")
-    if SHARED_ADAPTER not in policy.peft_config:
+    if adapter_name not in policy.peft_config:
         was_training = policy.training
         with kept_requires_grad(policy):
-            policy.load_adapter(folder, adapter_name=SHARED_ADAPTER, is_trainable=False)
+            policy.load_adapter(folder, adapter_name=adapter_name, is_trainable=False)
         policy.train(was_training)  # peft puts the whole model in eval mode when it loads a frozen adapter
     weight = load_file(Path(folder) / HEAD_FILE)["weight"]  # [1, H]
     device = next(policy.parameters()).device
