@@ -74,5 +74,6 @@ def report(title: str, rows: list, margins: list[float]) -> None:
         print(f"| {kind} | {len(values)} | {sum(m > 0 for m in values) / len(values):.3f} "
               f"| {sum(values) / len(values):.2f} |")
 
+
 if __name__ == "__main__":
     main()
