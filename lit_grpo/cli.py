@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import inspect
 import os
+import shlex
 import sys
 import traceback
 import warnings
@@ -39,8 +40,10 @@ from lit_grpo.cli_checks import check_writable, check_yaml_files, replaced_envir
 from lit_grpo.training.checkpointing import AtomicCheckpointIO, check_lightning_checkpoint, check_policy
 from lit_grpo.data.grpo import OnPolicyDataModule
 from lit_grpo.training.multiprocess import (
-    end_child_processes, exit_on_signal, is_collective_failure, print_failure, set_collective_timeout,
+    GRACE_S, end_child_processes, exit_on_signal, is_collective_failure, print_failure, set_collective_timeout,
+    set_signal_grace,
 )
+from lit_grpo.training.preemption import PreemptionCheckpoint, Preempted
 
 USER_ERROR_EXIT = 2  # the same code as a command-line parse error
 _PACKAGE = Path(lit_grpo.__file__).parent
@@ -71,6 +74,10 @@ class PolicyCli(LightningCLI):
                             help="Seconds one rank may wait in a collective before a multi-process run "
                                  "fails with an error naming the hook (default 300 on CPUs, 1800 on GPUs, "
                                  "unless the strategy sets its own timeout).")
+        parser.add_argument("--preemption_grace", type=float, default=GRACE_S,
+                            help="Seconds after SIGTERM/SIGINT within which the run saves last.ckpt and exits; "
+                                 "a process still running then is ended. Keep it below the scheduler's own "
+                                 "grace period (SLURM's KillWait, Kubernetes' terminationGracePeriodSeconds).")
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -153,9 +160,15 @@ class PolicyCli(LightningCLI):
         if config.get("enable_checkpointing") is not False and not any(
             isinstance(c, ModelCheckpoint) for c in callbacks
         ):
-            kwargs["callbacks"] = [*callbacks, ModelCheckpoint(dirpath=_checkpoint_dir(config), save_last=True)]
+            # saved at the end of every training epoch, whatever check_val_every_n_epoch is
+            callbacks = [*callbacks, ModelCheckpoint(dirpath=_checkpoint_dir(config), save_last=True,
+                                                     save_on_train_epoch_end=True)]
+        if not any(isinstance(c, PreemptionCheckpoint) for c in callbacks):
+            callbacks = [*callbacks, PreemptionCheckpoint(announce=False, resume_hint=_resume_command())]
+        kwargs["callbacks"] = callbacks
         trainer = super().instantiate_trainer(**kwargs)
         set_collective_timeout(trainer.strategy, self._get(self.config, "collective_timeout"))
+        set_signal_grace(self._get(self.config, "preemption_grace"))
         return trainer
 
     def before_fit(self) -> None:
@@ -184,6 +197,21 @@ class GRPOCli(PolicyCli):
         super().add_arguments_to_parser(parser)
         # Each epoch is one rollout round: the DataModule must regenerate.
         parser.set_defaults({"trainer.reload_dataloaders_every_n_epochs": 1})
+
+
+def _resume_command() -> str:
+    """This command line with ``--ckpt_path last`` in place of any ``--ckpt_path`` it had."""
+    argv, kept, skip = sys.argv[1:], [], False
+    for word in argv:
+        if skip:
+            skip = False
+            continue
+        if word == "--ckpt_path":
+            skip = True
+            continue
+        if not word.startswith("--ckpt_path="):
+            kept.append(shlex.quote(word))
+    return " ".join(["lit-grpo", *kept, "--ckpt_path", "last"])
 
 
 def _as_list(value) -> list:
@@ -219,6 +247,8 @@ def report_failure(error: Exception) -> int:
     message = _message_for_user(error)
     if message is None or os.environ.get("LIT_GRPO_DEBUG"):
         traceback.print_exception(error)
+    elif _raised_outside(error.__cause__):  # the user's own code failed (a reward, an environment): show where
+        traceback.print_exception(error.__cause__)
     if message is None:
         frames = traceback.extract_tb(error.__traceback__)
         where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
@@ -228,6 +258,14 @@ def report_failure(error: Exception) -> int:
         return 1
     sys.stderr.write(f"lit-grpo: {' '.join(message.split())}\n")
     return USER_ERROR_EXIT
+
+
+def _raised_outside(error: BaseException | None) -> bool:
+    """Whether ``error`` was raised in code that is neither lit_grpo's nor a library's (a user's reward, tool
+    or environment)."""
+    frames = traceback.extract_tb(error.__traceback__) if error is not None else []
+    return bool(frames) and not Path(frames[-1].filename).is_relative_to(_PACKAGE) and "site-packages" not in \
+        frames[-1].filename
 
 
 def _message_for_user(error: BaseException | None) -> str | None:
@@ -278,11 +316,6 @@ def main(args: list[str] | None = None) -> None:
     if argv[:1] in ([], ["-h"], ["--help"]):
         print(HELP)
         return
-    if argv[:1] == ["plot"]:
-        from lit_grpo.evaluation.plots import main as plot_main
-
-        plot_main(argv[1:])
-        return
     if argv[0] not in COMMANDS and not argv[0].startswith("-"):  # options before fit/validate pass through
         sys.stderr.write(f"{HELP}\n\nlit-grpo: unknown command {argv[0]!r}; expected one of {list(COMMANDS)}.\n")
         sys.exit(USER_ERROR_EXIT)
@@ -293,6 +326,9 @@ def main(args: list[str] | None = None) -> None:
             # eval/dpo); its warning about args beside sys.argv does not apply.
             warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
             _run(argv)
+    except Preempted as stop:  # saved; the other ranks stop at the same step
+        sys.stderr.write(f"lit-grpo: {stop}\n")
+        sys.exit(stop.code)
     except Exception as error:
         end_child_processes()  # the other ranks would wait for this one in their next collective
         if is_collective_failure(error):
@@ -302,6 +338,11 @@ def main(args: list[str] | None = None) -> None:
 
 
 def _run(argv: list[str]) -> None:
+    if argv[0] == "plot":
+        from lit_grpo.evaluation.plots import main as plot_main
+
+        plot_main(argv[1:])
+        return
     if argv[0] == "eval":
         from lit_grpo.evaluation.evaluate import main as eval_main
 

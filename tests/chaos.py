@@ -1,4 +1,5 @@
-"""A callback for tests/test_chaos.py: SIGKILL its own process at one chosen moment.
+"""A callback for tests/test_chaos.py: SIGKILL its own process at one chosen moment
+(or, for tests/test_preemption.py, send it SIGTERM there and let it go on).
 
 Each phase is a real point in a run: inside a rollout's decoding loop, inside
 ``backward``, half-way through writing a checkpoint file, between a sharded
@@ -29,9 +30,16 @@ def letter_share(prompts, completions, **columns):
 
 
 GROUP = [False]  # Chaos(group=True): kill every rank of the run at once (its process group)
+SIGNAL = [signal.SIGKILL]  # Chaos(signal=...): what strikes
+STRUCK = [False]
 
 
 def die() -> None:
+    if SIGNAL[0] != signal.SIGKILL:  # a signal the run handles: send it once and go on
+        if not STRUCK[0]:
+            STRUCK[0] = True
+            os.kill(os.getpid(), SIGNAL[0])
+        return
     if GROUP[0]:
         os.killpg(os.getpgid(0), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -59,19 +67,25 @@ class Chaos(L.Callback):
             step ``index``), ``sharded_checkpoint`` (under ModelParallelStrategy,
             after every rank wrote its shards of ``last.ckpt`` at global step
             ``index``, before rank 0 writes its ``meta.pt``), ``export`` (half-way
-            through the adapter file).
+            through the adapter file), ``validation`` (before validation batch ``index``).
         epoch: The epoch in which to strike (not used by ``checkpoint``/``export``).
         index: See ``phase``.
         group: Kill the whole process group (every rank of a multi-process run started in a
             session of its own), not only this process.
+        strike: ``SIGKILL``, or ``SIGTERM``/``SIGINT``: sent to this process once, which runs on.
+        rank: Strike on this rank only (``None``: on every rank).
     """
 
-    def __init__(self, phase: str, epoch: int = 0, index: int = 0, group: bool = False) -> None:
-        self.phase, self.epoch, self.index = phase, epoch, index
+    def __init__(self, phase: str, epoch: int = 0, index: int = 0, group: bool = False,
+                 strike: str = "SIGKILL", rank: int | None = None) -> None:
+        self.phase, self.epoch, self.index, self.rank = phase, epoch, index, rank
         self.batch_idx = -1
         GROUP[0] = group
+        SIGNAL[0] = getattr(signal, strike)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.rank is not None and trainer.global_rank != self.rank:
+            self.phase = "none"
         if self.phase == "rollout":
             sample, draws = lit_grpo.generation.rollout.sample, []
 
@@ -121,4 +135,8 @@ class Chaos(L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self._here(trainer, "optimizer"):
+            die()
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        if self.phase == "validation" and trainer.current_epoch == self.epoch and batch_idx == self.index:
             die()

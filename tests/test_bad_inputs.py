@@ -556,3 +556,53 @@ def test_a_really_full_disk_keeps_the_previous_checkpoint(tmp_path):
         assert sorted(p.name for p in disk.iterdir()) == ["last.ckpt"]  # no partial temporary file left
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+# ------------------------------------------------- errors inside a rollout
+def raising_reward(prompts, completions, **columns):
+    raise KeyError("tests")
+
+
+class NoReward:
+    """An environment whose ``get_reward`` forgets to return."""
+
+    def reset(self, **row) -> None:
+        self.secret = row["secret"]
+
+    def guess(self, number: int) -> str:
+        """Guesses the secret.
+
+        Args:
+            number: The guess.
+        """
+        return "no"
+
+    def get_reward(self):
+        return None
+
+
+RAISING = ('--data.rewards=[{"class_path": "lit_grpo.rewards.FromCallable", '
+           '"init_args": {"function": "test_bad_inputs.raising_reward"}}]')
+
+
+def test_cli_reward_that_raises_inside_the_rollout_is_the_last_line(fit):
+    code, last = fit(RAISING)
+    assert code == 2
+    assert last.startswith("lit-grpo: Reward 'raising_reward' raised on row 0: KeyError('tests'); its traceback is "
+                           "above. Fix the function"), last
+
+
+def test_cli_environment_reward_that_is_none_names_the_class_and_get_reward(fit):
+    code, last = fit("--data.source=guess_number", '--data.environment={"class_path": "test_bad_inputs.NoReward"}',
+                     "--data.rewards=[]", "--data.max_prompt_length=400")
+    assert code == 2
+    assert last.startswith("lit-grpo: test_bad_inputs.NoReward.get_reward() returned None (NoneType) on row 0; "
+                           "expected a number"), last
+
+
+def test_plain_trainer_reward_that_raises_inside_the_rollout_surfaces_as_itself(module):
+    # Lightning's teardown used to raise "Please call `iter(combined_loader)` first." over it.
+    trainer = L.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, reload_dataloaders_every_n_epochs=1)
+    with pytest.raises(RewardFunctionError, match=r"Reward 'raising_reward' raised on row 0: KeyError\('tests'\)"):
+        trainer.fit(module, data(rewards=[raising_reward], val_size=2))

@@ -299,3 +299,23 @@ def assert_classifier_scores_as_adapter_and_head(export: Path, base: str, head: 
         expected = backbone_scores(policy, linear, ids, mask, tokenizer.pad_token_id)
         torch.testing.assert_close(classifier(input_ids=ids, attention_mask=mask).logits[:, 0], expected,
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_sigterm_to_rank_0_stops_both_ranks_at_one_step_with_a_checkpoint_that_resumes(tiny_model_dir, tmp_path):
+    # `kill PID` reaches rank 0 only (inside backward of its first micro-batch): rank 0 passes it
+    # on, the ranks agree at the next optimizer step, rank 0 writes last.ckpt, both exit 143.
+    def run(*extra: str) -> tuple[int, str]:
+        return finish(start(["--config", "configs/quickstart.yaml", "--trainer.strategy", "ddp",
+                             *cli_args(tiny_model_dir, tmp_path, "--trainer.logger.init_args.save_dir",
+                                       str(tmp_path), "--data.batch_size", "4", *extra)]))
+
+    code, output = run("--trainer.callbacks+=chaos.Chaos", "--trainer.callbacks.phase=backward",
+                       "--trainer.callbacks.strike=SIGTERM", "--trainer.callbacks.rank=0")
+    assert code == 128 + signal.SIGTERM, output[-6000:]
+    last = output.strip().splitlines()[-1]
+    assert last.startswith("lit-grpo: stopped by SIGTERM at step 1 (epoch 0); checkpoint saved to "), last
+    assert last.endswith("--ckpt_path last"), last
+    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 1
+    code, output = run("--ckpt_path", "last")
+    assert code == 0, output[-6000:]
+    assert "epoch 1:" in output and "adapter written to" in output

@@ -28,6 +28,7 @@ from lit_grpo.model.policy import PolicySpec, build_policy, load_tokenizer
 from lit_grpo.model.refusals import constructed
 from lit_grpo.training.strategies import check_strategy
 from lit_grpo.training.guard import NonFiniteGuard
+from lit_grpo.training.preemption import PreemptionCheckpoint
 
 
 class PolicyModule(L.LightningModule):
@@ -105,6 +106,12 @@ class PolicyModule(L.LightningModule):
                 yield self.policy
         finally:
             self.policy.train(was_training)
+
+    def configure_callbacks(self) -> list:
+        """A :class:`~lit_grpo.training.preemption.PreemptionCheckpoint` where the Trainer has none:
+        SIGTERM/SIGINT save a checkpoint that resumes exactly, also under a plain ``Trainer``."""
+        present = self._trainer is not None and any(isinstance(c, PreemptionCheckpoint) for c in self.trainer.callbacks)
+        return [] if present else [PreemptionCheckpoint()]
 
     # -------------------------------------------------------------- optimizer
     def trainable_parameters(self) -> list[torch.nn.Parameter]:

@@ -106,9 +106,14 @@ class OnDemand(IterableDataset):
         return self.length
 
     def __iter__(self):
+        # A generator: the rollout runs at the first next(), after Lightning's
+        # CombinedLoader has its iterator. Run inside iter() itself, an error in
+        # the rollout (a reward, a tool, an environment) left the loader without
+        # one, and Lightning's teardown then raised "Please call
+        # `iter(combined_loader)` first." over the real error.
         if self.buffer is None:
             self.buffer = self.build()
-        return iter(self.buffer if self.buffer is not None else ())
+        yield from self.buffer if self.buffer is not None else ()
 
 
 def _trim(batch: dict[str, Tensor]) -> dict[str, Tensor]:

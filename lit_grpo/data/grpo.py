@@ -30,6 +30,7 @@ from lit_grpo.data.buffer import OnDemand, RolloutBuffer
 from lit_grpo.rewards import Accuracy, Format, Reward, RewardCombiner
 from lit_grpo.generation.rollout import SamplingSpec, encode_prompts
 from lit_grpo.training.distributed import gather_to_rank_zero
+from lit_grpo.training.preemption import Preempted, abortable
 from lit_grpo.data.episodes import EpisodeSetup
 from lit_grpo.data.rollout_round import RolloutResult, collect_rollout
 from lit_grpo.data.setup_checks import check_prompt_budget, choose_estimator
@@ -298,9 +299,16 @@ class OnPolicyDataModule(L.LightningDataModule):
         elif epoch <= self.rollout_epoch:
             return None
         else:
+            before = self.position, self.passes, self.rollout_epoch
             self.rollout_epoch = epoch
             torch.manual_seed(self._seed(epoch, rank))  # sampling follows from (seed, epoch, rank)
-            result = collect_rollout(self, trainer.lightning_module, rank)
+            try:
+                # One process may abandon its rollout on SIGTERM; ranks must finish theirs (see preemption).
+                with abortable(trainer.world_size == 1):
+                    result = collect_rollout(self, trainer.lightning_module, rank)
+            except Preempted:  # give the prompts back: the checkpoint is the state before this rollout
+                self.position, self.passes, self.rollout_epoch = before
+                raise
         self.last_result, self.stats_pending, self.trained = result, True, start
         return RolloutBuffer(
             result.rows,

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from lit_grpo.training.preemption import check_abort
+
 
 @dataclass
 class SamplingSpec:
@@ -270,6 +272,7 @@ def _decode(model, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, pad, 
             tokens[active, step] = token
         if progress is not None:
             progress.update(1)
+        check_abort()  # a rollout stops here on SIGTERM (lit_grpo.training.preemption)
         if step == width - 1 or not alive.any():
             break
         if not alive.all():  # finished rows leave the batch, and their cache with them

@@ -205,7 +205,9 @@ class RewardCombiner:
                 return torch.zeros(len(completions), dtype=torch.float64)
             row = _failing_row(fn, prompts, completions, columns)
             where = f"on row {row}" if row is not None else "on the batch (no single row fails)"
-            raise RewardFunctionError(f"Reward {name!r} raised {where}: {e!r}") from e
+            raise RewardFunctionError(f"Reward {name!r} raised {where}: {e!r}; its traceback is above. Fix the "
+                                      "function: it is called with prompts, completions and the rows' columns "
+                                      "as keyword arguments.") from e
         return _validate(name, raw, len(completions))
 
 

@@ -9,10 +9,12 @@ Three guards for ``lit-grpo fit`` with several ranks:
 * A one-line account of a failed collective (:func:`describe_collective_failure`):
   which rank, which Lightning hook, and where in the code it waited, so a
   mismatch between ranks is found without attaching a debugger.
-* Signals that end every rank (:func:`exit_on_signal`). A rank blocked inside
-  a collective runs no Python code, so neither ``KeyboardInterrupt`` nor
-  Lightning's SIGTERM handler reaches it; a watcher thread, woken by the
-  signal itself, ends the process and its child ranks after a grace period.
+* Signals that end every rank (:func:`exit_on_signal`). On SIGTERM/SIGINT a
+  run saves a checkpoint at its next safe point and exits
+  (:mod:`lit_grpo.training.preemption`). A rank blocked inside a collective
+  runs no Python code and reaches no safe point; a watcher thread, woken by
+  the signal itself, ends the process and its child ranks once the grace
+  period (``--preemption_grace``) is over.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from pathlib import Path
 import lightning
 import torch
 
+GRACE_S = 25.0  # below the 30 s SLURM (KillWait) and Kubernetes give by default
+_grace = [GRACE_S]
 CPU_TIMEOUT_S = 300.0
 GPU_TIMEOUT_S = 1800.0
 _LIGHTNING_DEFAULT = timedelta(minutes=30)  # lightning.fabric's default_pg_timeout
@@ -92,12 +96,24 @@ def _failure_site(tb) -> tuple[str | None, str]:
     return hook, site
 
 
-def exit_on_signal(grace_s: float = 10.0) -> bool:
-    """End this process (and its child ranks) ``grace_s`` after SIGINT/SIGTERM if it is still running.
+def set_signal_grace(seconds: float) -> None:
+    """Set how long after SIGTERM/SIGINT the watcher of :func:`exit_on_signal` waits.
 
-    The signal first goes its usual way (``KeyboardInterrupt``, Lightning's
-    SIGTERM handling); the watcher only steps in when that did not end the
-    process in time, e.g. because it is blocked in a collective. Checkpoints
+    Raises:
+        ValueError: ``seconds`` is not positive.
+    """
+    if not seconds > 0:
+        raise ValueError(f"preemption_grace={seconds}; expected a positive number of seconds.")
+    _grace[0] = float(seconds)
+
+
+def exit_on_signal() -> bool:
+    """End this process (and its child ranks) once the grace period after SIGINT/SIGTERM is over.
+
+    The signal first goes its usual way (a checkpoint at the next safe point,
+    :mod:`lit_grpo.training.preemption`); the watcher only steps in when that
+    did not end the process in time, e.g. because it is blocked in a
+    collective. The period is :data:`GRACE_S` or :func:`set_signal_grace`'s. Checkpoints
     are written atomically, so ending mid-write loses nothing saved before.
     Needs the main thread and a free signal wake-up fd (an asyncio loop, as
     in a notebook, holds it: then nothing is installed). Returns whether the
@@ -111,18 +127,21 @@ def exit_on_signal(grace_s: float = 10.0) -> bool:
         signal.set_wakeup_fd(-1)
         os.close(read_fd), os.close(write_fd)
         return False
-    threading.Thread(target=_watch, args=(read_fd, grace_s), name="lit-grpo-signal-watch", daemon=True).start()
+    threading.Thread(target=_watch, args=(read_fd,), name="lit-grpo-signal-watch", daemon=True).start()
     return True
 
 
-def _watch(read_fd: int, grace_s: float) -> None:
+def _watch(read_fd: int) -> None:
     while True:
         signum = os.read(read_fd, 1)[0]
         if signum in (signal.SIGINT, signal.SIGTERM):
             break
+    grace_s = _grace[0]
     time.sleep(grace_s)
-    sys.stderr.write(f"\nlit-grpo: still running {grace_s:g} s after {signal.Signals(signum).name} "
-                     "(blocked in a collective?); ending this process and its child ranks.\n")
+    sys.stderr.write(f"\nlit-grpo: still running {grace_s:g} s after {signal.Signals(signum).name}: no safe point "
+                     "to save at was reached in time (a rollout under several processes, a validation pass, or a "
+                     "rank blocked in a collective); ending this process and its child ranks. The newest "
+                     "last.ckpt resumes; raise --preemption_grace if the scheduler allows.\n")
     sys.stderr.flush()
     end_child_processes()
     os._exit(128 + signum)
