@@ -239,7 +239,7 @@ def _named(name: str, values):
 
 
 def test_all_completions_empty():
-    from lit_grpo.data.rollout_round import _Group, _warn_if_all_empty
+    from lit_grpo.rollout.producer import _Group, _warn_if_all_empty
 
     empty = torch.zeros(2, 1)
     group = _Group(empty, empty, empty, empty, empty.bool()[:, 0], empty, empty[:, 0], {}, "p", ["", " "])

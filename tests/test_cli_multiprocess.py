@@ -319,3 +319,15 @@ def test_sigterm_to_rank_0_stops_both_ranks_at_one_step_with_a_checkpoint_that_r
     code, output = run("--ckpt_path", "last")
     assert code == 0, output[-6000:]
     assert "epoch 1:" in output and "adapter written to" in output
+
+
+def test_ddp_samples_one_rollout_ahead_with_data_staleness_1(tiny_model_dir, tmp_path):
+    # Each rank's worker samples epoch 1's rollout while epoch 0 trains; epoch 1 trains on it.
+    code, output = finish(start(["--config", "configs/quickstart.yaml", "--trainer.strategy", "ddp",
+                                 *cli_args(tiny_model_dir, tmp_path, "--trainer.logger.init_args.save_dir",
+                                           str(tmp_path), "--data.staleness", "1")]))
+    assert code == 0, output[-6000:]
+    assert_outputs(tmp_path, output)
+    rows = list(csv.DictReader(next((tmp_path / "lightning_logs").iterdir()).joinpath("metrics.csv").open()))
+    staleness = {row["epoch"]: float(row["rollout/staleness"]) for row in rows if row.get("rollout/staleness")}
+    assert staleness == {"0": 0.0, "1": 1.0}

@@ -78,7 +78,9 @@ def test_truncated_importance_weights_from_the_training_step():
     assert torch.allclose(weights, expected)
     assert torch.isclose(metrics["sampler/logprob_abs_diff"], delta.abs().mean())
     assert torch.isclose(metrics["sampler/kl"], (delta.exp() - 1 - delta).mean())
+    assert metrics["sampler/is_capped_fraction"] == 1 / 5  # e > 2 on one of the 5 real tokens
     assert sampler_gap(old, sampler, mask)[0] is None  # off unless a cap is set
+    assert sampler_gap(old, sampler, mask)[1]["sampler/is_capped_fraction"] == 0
 
 
 def test_grpo_loss_importance_weights_scale_the_surrogate_not_the_kl():

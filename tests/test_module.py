@@ -72,9 +72,9 @@ def test_reference_logprobs_equal_base_model(tmp_path, tiny_model_dir):
     module, data = make(tiny_model_dir)
     trainer(tmp_path, epochs=1).fit(module, data)  # the adapter is no longer zero
     rows = {k: v for k, v in _one_rollout(module, data).items()}
-    reference = module.rollout_logprobs(rows, temperature=0.8, reference=True)
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     size = data.hparams.batch_size  # the rows rollout_logprobs scores together
+    reference = module.rollout_logprobs(rows, temperature=0.8, reference=True, batch_size=size)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     with torch.no_grad():
         expected = torch.cat([
             completion_logprobs(base, *(rows[k][i : i + size] for k in

@@ -131,7 +131,7 @@ def test_all_padding_batch_is_zero(loss_type):
 
 
 def reference_loss(logprobs, old, adv, mask, ref, beta, eps_low, eps_high, loss_type, level, max_len, num_items):
-    """Naive per-row, per-token loop straight from DESIGN.md sections 3-6."""
+    """Naive per-row, per-token loop straight from docs/design.md, "The objective", 3-6."""
     n_rows, n_positions = logprobs.shape
     row_sums, row_counts = [], []
     for i in range(n_rows):

@@ -85,7 +85,7 @@ class CriticBeforeFirstStep(L.Callback):
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
         if trainer.global_step == 0 and not hasattr(self, "values"):
-            self.values = module.rollout_values(trainer.datamodule.last_result.rows)
+            self.values = module.rollout_values(trainer.datamodule.last_result.rows, trainer.datamodule.hparams.batch_size)
 
 
 def test_stored_advantages_are_gae_of_the_stored_values(tmp_path, tiny_model_dir):

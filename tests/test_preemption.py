@@ -12,6 +12,7 @@ epoch's end).
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -105,3 +106,37 @@ print("fit returned")
     assert last == (f"lit-grpo: stopped by SIGTERM at step 2 (epoch 0); checkpoint saved to {path}. "
                     f"Resume with: trainer.fit(..., ckpt_path={str(path)!r})"), last
     assert torch.load(path, weights_only=False)["global_step"] == 2
+
+
+def test_lightnings_slurm_requeue_signal_still_saves_its_checkpoint_beside_ours(tmp_path, tiny_model_dir):
+    # Under SLURM with auto_requeue, SIGUSR1 is Lightning's: it saves hpc_ckpt_1.ckpt and asks scontrol to
+    # requeue (absent here: it warns); the SIGTERM that follows a requeue is ours: last.ckpt, exit 143.
+    script = f"""
+import os, signal
+import lightning as L
+from lightning.pytorch.plugins.environments import SLURMEnvironment
+from lit_grpo.algorithms.grpo import GRPOModule
+from lit_grpo.data.grpo import OnPolicyDataModule
+from lit_grpo.generation.rollout import SamplingSpec
+from lit_grpo.model.policy import LoraSpec, PolicySpec
+
+class Signals(L.Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step in (1, 2):
+            os.kill(os.getpid(), signal.SIGUSR1 if trainer.global_step == 1 else signal.SIGTERM)
+
+module = GRPOModule(policy=PolicySpec(name_or_path={tiny_model_dir!r}, lora=LoraSpec(r=4)), progress=False,
+                    validate_before_training=False)
+data = OnPolicyDataModule(train_size=20, val_size=2, prompts_per_epoch=2, batch_size=4,
+                          sampling=SamplingSpec(group_size=4, max_new_tokens=4))
+trainer = L.Trainer(accelerator="cpu", max_epochs=3, logger=False, enable_progress_bar=False,
+                    reload_dataloaders_every_n_epochs=1, default_root_dir={str(tmp_path)!r},
+                    plugins=[SLURMEnvironment(auto_requeue=True)], callbacks=[Signals()])
+trainer.fit(module, data)
+"""
+    env = {**os.environ, "SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "42", "SLURM_PROCID": "0",
+           "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost", "PATH": os.environ["PATH"]}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 143, result.stderr[-3000:]
+    assert torch.load(tmp_path / "hpc_ckpt_1.ckpt", weights_only=False)["global_step"] == 1
+    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 3

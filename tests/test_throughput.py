@@ -62,7 +62,9 @@ def test_the_epoch_metrics_divide_flops_by_the_phases_that_did_them():
     meter = EpochThroughput(costs, peak=1e4)
     rows = {"prompt_ids": torch.zeros(2, 1, dtype=torch.long), "prompt_mask": torch.ones(2, 1),
             "completion_mask": torch.ones(2, 4), "ref_logprobs": torch.zeros(2, 4)}
-    meter.rollout(rows, generated_tokens=16)  # twice the 8 kept tokens: dynamic sampling dropped a round
+    tokens, pairs = rollout_tokens(rows["prompt_ids"], rows["prompt_mask"], rows["completion_mask"])
+    # twice the 8 kept tokens generated: dynamic sampling dropped a round
+    meter.rollout({"tokens": tokens, "pairs": pairs, "generated": 16, "kept": 8, "reference": 1, "old": 0})
     meter.step(rows)
     perf = meter.metrics({"generate": 2.0, "reward": 1.0, "reference": 0.5, "policy_forward": 0.5,
                           "policy_backward": 1.0})

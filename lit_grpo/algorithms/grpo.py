@@ -33,7 +33,7 @@ from lit_grpo.model.policy import PolicySpec
 from lit_grpo.algorithms.base import PolicyModule
 from lit_grpo.algorithms.answers import greedy_accuracy
 from lit_grpo.evaluation.samples import append_samples
-from lit_grpo.data.rollout_round import MAX_STATS
+from lit_grpo.rollout.producer import MAX_STATS
 from lit_grpo.model.hardware import peak_flops
 from lit_grpo.training.throughput import EpochThroughput, FlopModel
 
@@ -43,6 +43,9 @@ from lit_grpo.training.throughput import EpochThroughput, FlopModel
 _GLOBALLY_NORMALISED = {"dapo"}
 # The rollout columns a scoring pass reads (and an episode's attention mask, where the rollout has one).
 SCORED_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+# The truncated importance-sampling cap of rollouts sampled ahead (data.staleness) where
+# model.generation.importance_sampling_cap sets none: TRL's and verl's default.
+AHEAD_IMPORTANCE_SAMPLING_CAP = 2.0
 # Phases of a training step timed per epoch (logged as time/<phase>).
 _STEP_PHASES = ("policy_forward", "policy_backward", "optimizer")
 
@@ -53,8 +56,8 @@ class GRPOModule(PolicyModule):
     Args:
         policy: Which model to train, its adapter, quantization and dtype.
         beta: Weight of the k3 KL penalty to the reference policy; 0 skips the
-            reference forward pass entirely. Under an estimator in
-            :attr:`KL_IN_REWARDS` (``data.advantage_estimator: reinforce_pp``)
+            reference forward pass entirely. Under an estimator that puts the
+            KL into its rewards (``data.advantage_estimator: reinforce_pp``)
             it weighs the k1 KL inside the per-token rewards instead, and the
             loss has no KL term.
         epsilon_low: Lower clip range of the ratio (1 - epsilon_low).
@@ -133,8 +136,6 @@ class GRPOModule(PolicyModule):
     merges_for_generation = True
     # The DataModule's advantage estimators this objective trains with; the first is the default.
     ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
-    # Those whose per-token rewards carry the KL to the reference (REINFORCE++), so the loss leaves it out.
-    KL_IN_REWARDS = ("reinforce_pp",)
     # Why this objective cannot train on episodes (tools, environments); empty: it can.
     EPISODES_REFUSED = ""
 
@@ -144,16 +145,13 @@ class GRPOModule(PolicyModule):
         return self.hparams.beta > 0
 
     @property
-    def needs_old_logprobs(self) -> bool:
-        """Whether the rollout must store pi_old even when the rollout gets one optimizer step
-        (the per-token KL rewards read the rollout policy's log-probs)."""
-        return self.kl_in_rewards and self.hparams.beta > 0
+    def policy_version(self) -> int:
+        """The version of the weights: optimizer steps taken (what a rollout sampled now is tagged with)."""
+        return self.global_step if self._trainer is not None else 0
 
-    @property
-    def kl_in_rewards(self) -> bool:
-        """Whether the DataModule's advantage estimator puts the KL (weight ``beta``) into its
-        per-token rewards (:attr:`KL_IN_REWARDS`) rather than the loss."""
-        return self._trainer is not None and self.trainer.datamodule.advantage_estimator in self.KL_IN_REWARDS
+    def estimator_options(self) -> dict[str, float]:
+        """What the advantage estimators read of this objective (REINFORCE++ weighs its KL rewards by ``beta``)."""
+        return {"beta": self.hparams.beta}
 
     @property
     def engine(self) -> Engine:
@@ -180,8 +178,10 @@ class GRPOModule(PolicyModule):
         return tqdm(desc=description, total=total, unit="step", leave=False, dynamic_ncols=True)
 
     @torch.no_grad()
-    def rollout_logprobs(self, rows: dict, temperature: float, reference: bool) -> torch.Tensor:
-        """Log-probs of rollout completions without grad: ``[N, C]``.
+    def rollout_logprobs(self, rows: dict, temperature: float, reference: bool,
+                         batch_size: int | None = None) -> torch.Tensor:
+        """Log-probs of rollout completions without grad: ``[N, C]``, ``batch_size`` rows per pass
+        (``None``: all at once).
 
         ``reference=True`` scores with the reference policy (the adapter
         disabled, or the frozen copy under full fine-tuning).
@@ -190,18 +190,19 @@ class GRPOModule(PolicyModule):
             was_training = model.training
             model.eval()
             logprobs = self.score_rollout(rows, lambda **part: completion_logprobs(
-                model, **part, temperature=temperature)[0])
+                model, **part, temperature=temperature)[0], batch_size)
             model.train(was_training)
         return logprobs
 
-    def score_rollout(self, rows: dict, score) -> torch.Tensor:
-        """``score(**part)`` over the rollout's rows in micro-batches, concatenated on the CPU: ``[N, C]``.
+    def score_rollout(self, rows: dict, score, batch_size: int | None = None) -> torch.Tensor:
+        """``score(**part)`` over the rollout's rows, ``batch_size`` at a time (``None``: all at once),
+        concatenated on the CPU: ``[N, C]``.
 
         ``part`` holds a micro-batch's ``prompt_ids``, ``prompt_mask``,
         ``completion_ids`` and ``completion_mask`` on the module's device, and
         ``completion_attention`` where the rollout has one (episodes).
         """
-        size = self.trainer.datamodule.hparams.batch_size if self._trainer else len(rows["prompt_ids"])
+        size = batch_size or len(rows["prompt_ids"])
         keys = SCORED_KEYS + tuple(k for k in ("completion_attention",) if k in rows)
         out = []
         for start in range(0, rows["prompt_ids"].shape[0], size):
@@ -212,13 +213,14 @@ class GRPOModule(PolicyModule):
     # --------------------------------------------------------------- training
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         hp = self.hparams
-        self._log_rollout_stats()
+        self._log_rollout_stats(batch)
+        kl_in_rewards = batch["kl_in_rewards"]  # the estimator weighed the KL into the rewards: not in the loss
         start = time.perf_counter()
-        batch, scale = self._rows_with_gradient(batch)
+        batch, scale = self._rows_with_gradient(batch, kl_in_rewards)
         if batch is not None:
             self.throughput.step(batch)
         if batch is None:  # every row's gradient is exactly zero: no forward, no backward
-            self._log_step(dict.fromkeys(self._step_metric_names(), 0.0), 0.0, rows=0)
+            self._log_step(dict.fromkeys(self._step_metric_names(kl_in_rewards), 0.0), 0.0, rows=0)
             self._backward_start = time.perf_counter()
             return sum(p.sum() for p in self.trainable_parameters()) * 0.0  # keeps DDP/FSDP in step
         logprobs, entropy = completion_logprobs(
@@ -228,20 +230,22 @@ class GRPOModule(PolicyModule):
         )  # [n, C]
         mask = batch["completion_mask"]
         old_logprobs = batch.get("old_logprobs", logprobs.detach())
-        weights, sampler_metrics = sampler_gap(old_logprobs, batch.get("sampler_logprobs", old_logprobs), mask,
-                                               self.generation.importance_sampling_cap)
+        cap = self.generation.importance_sampling_cap
+        if cap is None and batch["sampled_ahead"]:  # older weights sampled it: always corrected
+            cap = AHEAD_IMPORTANCE_SAMPLING_CAP
+        weights, sampler_metrics = sampler_gap(old_logprobs, batch.get("sampler_logprobs", old_logprobs), mask, cap)
         result = grpo_loss(
             logprobs,
             old_logprobs,
             batch["advantages"],
             mask,
             ref_logprobs=batch.get("ref_logprobs"),
-            beta=0.0 if self.kl_in_rewards else hp.beta,
+            beta=0.0 if kl_in_rewards else hp.beta,
             epsilon_low=hp.epsilon_low,
             epsilon_high=hp.epsilon_high,
             loss_type=hp.loss_type,
             importance_level=hp.importance_level,
-            max_completion_length=hp.max_completion_length or self.trainer.datamodule.sampling.max_new_tokens,
+            max_completion_length=hp.max_completion_length or batch["max_new_tokens"],
             num_items=batch["num_items"],
             importance_weights=weights,
         )
@@ -252,16 +256,16 @@ class GRPOModule(PolicyModule):
         values = {f"train/{k}": v for k, v in result.metrics.items()}
         values["train/entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
         values.update(sampler_metrics)
-        metrics = {name: values[name] for name in self._step_metric_names()}
+        metrics = {name: values[name] for name in self._step_metric_names(kl_in_rewards)}
         self._log_step(metrics, result.loss.detach(), rows=mask.shape[0])
         self._backward_start = time.perf_counter()
         return loss
 
-    def _log_rollout_stats(self) -> None:
-        stats = self.trainer.datamodule.take_stats()  # once per rollout (the loader builds it on first use)
-        if stats:
-            rows = self.trainer.datamodule.last_result.rows
-            self.throughput.rollout(rows, stats.get("rollout/generated_tokens", 0.0))
+    def _log_rollout_stats(self, batch: dict) -> None:
+        """Log the rollout's statistics, which its first micro-batch carries (on every rank at once)."""
+        if "rollout_stats" in batch:
+            stats, self.rollout_samples = batch["rollout_stats"], batch["rollout_samples"]
+            self.throughput.rollout(batch["rollout_counts"])
             self.rollout_seconds = {k.removeprefix("time/"): v for k, v in stats.items() if k.startswith("time/")}
             self.log_reduced({k: v for k, v in stats.items() if k not in MAX_STATS})
             self.log_reduced({k: stats[k] for k in MAX_STATS}, op="max")
@@ -272,12 +276,13 @@ class GRPOModule(PolicyModule):
         self.log_reduced(metrics, weight=rows)
         self.log_reduced({"train/loss": loss}, weight=rows, prog_bar=True, on_step=True)
 
-    def _step_metric_names(self) -> list[str]:
+    def _step_metric_names(self, kl_in_rewards: bool) -> list[str]:
         """The metrics every training step logs, in a fixed order (the same on every rank)."""
-        kl = ["kl"] if self.hparams.beta > 0 and not self.kl_in_rewards else []
-        return [f"train/{k}" for k in (*CLIP_METRICS, *kl, "entropy")] + ["sampler/logprob_abs_diff", "sampler/kl"]
+        kl = ["kl"] if self.hparams.beta > 0 and not kl_in_rewards else []
+        return [f"train/{k}" for k in (*CLIP_METRICS, *kl, "entropy")] + [
+            "sampler/logprob_abs_diff", "sampler/kl", "sampler/is_capped_fraction"]
 
-    def _rows_with_gradient(self, batch: dict) -> tuple[dict | None, float]:
+    def _rows_with_gradient(self, batch: dict, kl_in_rewards: bool) -> tuple[dict | None, float]:
         """Drop the rows whose gradient is exactly zero; return the rest and the loss scale.
 
         With no KL in the loss (``beta == 0``, or the KL in the rewards) a row
@@ -289,7 +294,7 @@ class GRPOModule(PolicyModule):
         divides by a count fixed for the whole step. Returns ``(None, 0)`` when
         no row is left. The logged training metrics then cover the kept rows.
         """
-        if not self.hparams.skip_zero_gradient_rows or (self.hparams.beta > 0 and not self.kl_in_rewards):
+        if not self.hparams.skip_zero_gradient_rows or (self.hparams.beta > 0 and not kl_in_rewards):
             return batch, 1.0
         advantages = batch["advantages"]  # [n] or [n, C]
         keep = (advantages != 0).reshape(len(advantages), -1).any(-1)  # [n]
@@ -313,7 +318,7 @@ class GRPOModule(PolicyModule):
     def on_train_batch_end(self, outputs, batch: dict, batch_idx: int) -> None:
         # The epoch's timings are complete after its last step (optimizer included);
         # they are reduced here, where every rank is in step, not at epoch end.
-        if batch["micro_batch"] + 1 == self.trainer.datamodule.micro_batches:
+        if batch["micro_batch"] + 1 == batch["micro_batches"]:
             values = {f"time/{phase}": self.phase_seconds.get(phase, 0.0) for phase in _STEP_PHASES}
             values.update(self.throughput.metrics({**self.rollout_seconds, **self.phase_seconds}))
             self.log_reduced({**values, "train/skipped_steps": float(self.guard.skipped)})
@@ -328,6 +333,7 @@ class GRPOModule(PolicyModule):
         peak = peak_flops(self.device, self.spec.cache_dir) if self.global_rank == 0 else 0.0
         self.throughput = EpochThroughput(FlopModel.of(self.policy), self.trainer.strategy.broadcast(peak, src=0))
         self.rollout_seconds: dict[str, float] = {}
+        self.rollout_samples: list[tuple] = []  # the latest rollout's, written at the epoch's end
 
     def on_train_epoch_start(self) -> None:
         self.phase_seconds = {}
@@ -372,8 +378,7 @@ class GRPOModule(PolicyModule):
         self.epoch_started = time.perf_counter()
 
     def _write_samples(self) -> None:
-        result = self.trainer.datamodule.last_result
-        samples = result.samples[: self.hparams.log_samples] if result else []
+        samples = self.rollout_samples[: self.hparams.log_samples]
         if samples and self.log_dir is not None and self.global_rank == 0:
             append_samples(self.log_dir, self.current_epoch, samples)
 

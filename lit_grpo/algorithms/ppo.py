@@ -13,8 +13,8 @@ One training step runs the actor pass and the critic pass and backpropagates
 their summed loss (:func:`~lit_grpo.objectives.ppo_loss`) into the actor, the
 critic and the head.
 
-At rollout time the DataModule's ``gae`` estimator asks this module for the
-critic's values (:meth:`PPOModule.rollout_values`), builds per-token rewards
+At rollout time the ``gae`` estimator (:mod:`lit_grpo.rollout.estimators`)
+asks this module for the critic's values (:meth:`PPOModule.rollout_values`), builds per-token rewards
 (the sequence reward on the last token, minus ``kl_coef`` x the k1 KL to
 the reference), and stores GAE advantages (whitened over the rollout's real
 tokens) and returns in the buffer.
@@ -157,9 +157,10 @@ class PPOModule(GRPOModule):
     def needs_reference(self) -> bool:
         return self.hparams.kl_coef > 0
 
-    @property
-    def needs_old_logprobs(self) -> bool:
-        return self.hparams.kl_coef > 0  # the per-token rewards read the rollout policy's log-probs
+    def estimator_options(self) -> dict[str, float]:
+        """What the ``gae`` estimator reads of this objective."""
+        hp = self.hparams
+        return {"kl_coef": hp.kl_coef, "gamma": hp.gamma, "lam": hp.lam, "whiten_advantages": hp.whiten_advantages}
 
     def configure_model(self) -> None:
         """Load the policy, the critic (adapter or model) and the value head (once), then
@@ -214,11 +215,13 @@ class PPOModule(GRPOModule):
         return self.value_head(hidden.float()).squeeze(-1)  # [n, C]
 
     @torch.no_grad()
-    def rollout_values(self, rows: dict) -> torch.Tensor:
-        """Values of rollout completions under the current critic, without grad: ``[N, C]``, 0 at padding."""
+    def rollout_values(self, rows: dict, batch_size: int | None = None) -> torch.Tensor:
+        """Values of rollout completions under the current critic, without grad: ``[N, C]``, 0 at padding;
+        ``batch_size`` rows per pass (``None``: all at once)."""
         was_training = self.training
         self.eval()
-        values = self.score_rollout(rows, lambda **part: self.critic_values(**part) * part["completion_mask"])
+        values = self.score_rollout(rows, lambda **part: self.critic_values(**part) * part["completion_mask"],
+                                    batch_size)
         self.train(was_training)
         return values
 
@@ -251,7 +254,7 @@ class PPOModule(GRPOModule):
     # --------------------------------------------------------------- training
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         hp = self.hparams
-        self._log_rollout_stats()
+        self._log_rollout_stats(batch)
         start = time.perf_counter()
         scored = {k: batch[k] for k in SCORED_KEYS}
         logprobs, entropy = completion_logprobs(self.policy, **scored, temperature=batch["temperature"],
@@ -263,17 +266,17 @@ class PPOModule(GRPOModule):
             values, batch["values"], batch["returns"],
             epsilon_low=hp.epsilon_low, epsilon_high=hp.epsilon_high, value_clip=hp.value_clip,
             vf_coef=hp.vf_coef, loss_type=hp.loss_type,
-            max_completion_length=hp.max_completion_length or self.trainer.datamodule.sampling.max_new_tokens,
+            max_completion_length=hp.max_completion_length or batch["max_new_tokens"],
         )
         self._add_time("policy_forward", time.perf_counter() - start)
         metrics = {f"train/{k}": v for k, v in result.metrics.items()}
         metrics["train/entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
-        self._log_step({name: metrics[name] for name in self._step_metric_names()}, result.loss.detach(),
+        self._log_step({name: metrics[name] for name in self._step_metric_names(True)}, result.loss.detach(),
                        rows=mask.shape[0])
         self._backward_start = time.perf_counter()
         return result.loss
 
-    def _step_metric_names(self) -> list[str]:
+    def _step_metric_names(self, kl_in_rewards: bool) -> list[str]:
         return [f"train/{k}" for k in ("policy_loss", *CLIP_METRICS, *VALUE_METRICS, "entropy")]
 
 

@@ -1,7 +1,7 @@
 """Where training batches come from: the DataModules and what feeds them.
 
 :class:`OnPolicyDataModule` (:mod:`~lit_grpo.data.grpo`) runs one rollout
-round per epoch (:mod:`~lit_grpo.data.rollout_round`) and serves it from a
+round per epoch (:class:`~lit_grpo.rollout.producer.RolloutProducer`) and serves it from a
 buffer (:mod:`~lit_grpo.data.buffer`); :class:`PreferenceDataModule`
 (:mod:`~lit_grpo.data.preferences`) serves fixed preference pairs for DPO.
 Both read prompts from :mod:`~lit_grpo.data.sources`: a built-in task

@@ -24,6 +24,7 @@ ROW_KEYS = (
     "ref_logprobs",
     "values",
     "returns",
+    "rewards",
 )
 # Of those, the ones with one column per completion token (trimmed with the completions).
 # ``advantages`` is one of them when the estimator is token-level ([N, C], e.g. GAE).
@@ -34,11 +35,17 @@ TOKEN_KEYS = ("completion_ids", "completion_mask", "completion_attention", "adva
 class RolloutBuffer(IterableDataset):
     """Micro-batches over a rollout, ``num_iterations`` passes, shuffled per pass.
 
+    Each micro-batch holds its rows' tensors, ``num_items`` (the step's
+    completion tokens over all ranks), ``micro_batch`` (its place in the
+    epoch), ``micro_batches`` (how many the epoch has), ``policy_version``
+    (what sampled it) and ``every_batch``'s entries; the first one served
+    also carries the rollout's ``rollout_stats``, ``rollout_samples`` and
+    ``rollout_counts``, to be logged once.
+
     Args:
-        rows: Tensors keyed by :data:`ROW_KEYS` (``completion_attention``,
+        rollout: Its rows are tensors keyed by :data:`ROW_KEYS` (``completion_attention``,
             ``old_logprobs``, ``ref_logprobs``, ``values`` and ``returns``
-            may be absent), all
-            with N rows; ``advantages`` is ``[N]`` or ``[N, C]``.
+            may be absent), all with N rows; ``advantages`` is ``[N]`` or ``[N, C]``.
         batch_size: Rows per micro-batch; must divide N.
         num_iterations: Passes over the buffer (mu).
         accumulate: Micro-batches per optimizer step; ``num_items`` counts the
@@ -46,27 +53,28 @@ class RolloutBuffer(IterableDataset):
         generator: Shuffles the order of rows in each pass.
         token_counts: Callable reducing a ``[steps]`` tensor of token counts
             across ranks (sum); identity on one process.
-        temperature: Sampling temperature, passed to the objective.
+        every_batch: Entries every micro-batch carries (the sampling
+            ``temperature`` the objective divides by, ...).
         start: Micro-batches already trained on (a run resumed inside the
             epoch); iteration begins after them.
     """
 
     def __init__(
         self,
-        rows: dict[str, Tensor],
+        rollout,
         batch_size: int,
         num_iterations: int,
         accumulate: int,
         generator: torch.Generator,
         token_counts,
-        temperature: float,
+        every_batch: dict,
         start: int = 0,
     ) -> None:
-        self.rows, self.start = rows, start
-        n = rows["advantages"].shape[0]
+        self.rollout, self.rows, self.start = rollout, rollout.rows, start
+        n = self.rows["advantages"].shape[0]
         order = [torch.randperm(n, generator=generator) for _ in range(num_iterations)]
         self.batches = [pass_order[i : i + batch_size] for pass_order in order for i in range(0, n, batch_size)]
-        self.temperature = temperature
+        self.every_batch = every_batch
         self.num_items = self._num_items(accumulate, token_counts)
 
     def _num_items(self, accumulate: int, token_counts) -> list[Tensor]:
@@ -82,9 +90,14 @@ class RolloutBuffer(IterableDataset):
     def __iter__(self):
         for i, idx in enumerate(self.batches[self.start :], start=self.start):
             batch = _trim({key: value[idx] for key, value in self.rows.items()})
+            batch.update(self.every_batch)
             batch["num_items"] = self.num_items[i]
-            batch["temperature"] = self.temperature
             batch["micro_batch"] = i  # its place in the epoch, whatever a resumed run's loop counts
+            batch["micro_batches"] = len(self.batches)
+            batch["policy_version"] = self.rollout.version
+            if i == self.start:  # logged once per rollout, also when a resumed run restored it
+                batch.update(rollout_stats=self.rollout.stats, rollout_samples=self.rollout.samples,
+                             rollout_counts=self.rollout.counts)
             yield batch
 
 

@@ -1,13 +1,15 @@
 """The on-policy DataModule: every epoch is one rollout round.
 
 ``train_dataloader()`` runs once per epoch (the Trainer needs
-``reload_dataloaders_every_n_epochs=1``): it takes the next prompts, samples
-G completions each from the *current* policy (the LightningModule it is
+``reload_dataloaders_every_n_epochs=1``). When its loader is first read, the
+DataModule hands the epoch's next prompts to its
+:class:`~lit_grpo.rollout.producer.RolloutProducer`, which samples G
+completions each from the *current* policy (the LightningModule it is
 attached to), scores them, adds reference and old log-probs where the
-objective needs them, turns rewards into advantages (``advantage_estimator``:
-group-relative, leave-one-out, or GAE from the module's critic), and serves
-the result as micro-batches. Under DDP/FSDP every rank does this for its own
-share of the prompts; a group never spans ranks.
+objective needs them and turns rewards into advantages
+(``advantage_estimator``); the DataModule serves the scored rollout as
+micro-batches. Under DDP/FSDP every rank does this for its own share of the
+prompts; a group never spans ranks. docs/design.md draws the whole step.
 
 Randomness is a pure function of ``(seed, epoch, rank)``: the sampling RNG is
 re-seeded at each rollout (and the global RNG at each micro-batch), so a run
@@ -29,10 +31,11 @@ from torch.utils.data import DataLoader
 from lit_grpo.data.buffer import OnDemand, RolloutBuffer
 from lit_grpo.rewards import Accuracy, Format, Reward, RewardCombiner
 from lit_grpo.generation.rollout import SamplingSpec, encode_prompts
+from lit_grpo.rollout.ahead import Job, SamplingAhead
+from lit_grpo.rollout.producer import RolloutProducer, ScoredRollout
 from lit_grpo.training.distributed import gather_to_rank_zero
 from lit_grpo.training.preemption import Preempted, abortable
 from lit_grpo.data.episodes import EpisodeSetup
-from lit_grpo.data.rollout_round import RolloutResult, collect_rollout
 from lit_grpo.data.setup_checks import check_prompt_budget, choose_estimator
 from lit_grpo.data.prompts import chat_prompts, check_prompt_lengths, columns_of
 from lit_grpo.data.sources import check_slices, held_out_slices, load_rows, rename_columns, split_rows
@@ -113,6 +116,14 @@ class OnPolicyDataModule(L.LightningDataModule):
             call's first words, so that later turns call too): appended to the
             tool results as tokens the policy reads and is not trained on.
         environment_reward_weight: Weight of the environment's ``get_reward()``.
+        staleness: How many rollouts sampling may run ahead of training: 0
+            (default) samples each epoch's rollout with the current weights; k
+            samples epoch n+k's in a background thread, with the weights as
+            they are at epoch n, while epoch n trains (one-step-off at 1; see
+            :mod:`lit_grpo.rollout.ahead`). The loss then corrects for the older
+            sampler with truncated importance sampling. Dynamic sampling's
+            further rounds are sampled when the rollout is taken, by the
+            current weights.
     """
 
     def __init__(
@@ -150,6 +161,7 @@ class OnPolicyDataModule(L.LightningDataModule):
         max_episode_tokens: int | None = None,
         turn_prefix: str = "",
         environment_reward_weight: float = 1.0,
+        staleness: int = 0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["rewards", "val_reward", "sampling"])
@@ -160,6 +172,9 @@ class OnPolicyDataModule(L.LightningDataModule):
                             ("num_iterations", num_iterations), ("val_size", val_size), ("max_turns", max_turns)):
             if value < 1:
                 raise ValueError(f"data.{name}={value}; expected >= 1.")
+        if staleness < 0:
+            raise ValueError(f"data.staleness={staleness}; expected >= 0 (0: sample with the current weights, "
+                             "k: up to k rollouts ahead of training).")
         check_slices(source, val_slices or {})
         if "{prompt}" not in prompt_template:
             raise ValueError(f"data.prompt_template={prompt_template!r} must contain '{{prompt}}'.")
@@ -169,10 +184,12 @@ class OnPolicyDataModule(L.LightningDataModule):
         self.train_rows: list[dict] = []
         self.val_rows: list[dict] = []
         self.val_slices: dict[str, list[dict]] = {}  # name -> rows
-        self.last_result: RolloutResult | None = None  # this epoch's rollout
+        self.last_result: ScoredRollout | None = None  # this epoch's rollout
         self.trained = 0  # its micro-batches trained on so far
-        self.stats_pending = False  # its statistics are still to be logged
+        self.producer: RolloutProducer | None = None  # built in setup, once the estimator is known
         self.restored: dict | None = None  # a rollout restored from a checkpoint saved inside its epoch
+        self.ahead: SamplingAhead | None = None  # data.staleness > 0: the rollouts sampling ahead
+        self.pending: list[dict] = []  # rollouts to sample ahead again, restored from a checkpoint
         self.advantage_estimator = advantage_estimator or "grpo"  # resolved against the module in setup
         self.episodes = None  # tools / an environment: every completion is an episode
         if tools or environment is not None:
@@ -205,6 +222,10 @@ class OnPolicyDataModule(L.LightningDataModule):
         check_prompt_lengths(self)
         if self.episodes is not None:
             self.episodes.check(self.train_rows + self.val_rows)
+        self.producer = RolloutProducer(
+            self.sampling, self.rewards, self.advantage_estimator, self._encode_for_rollout, self.full_completions,
+            advantage_scale=hp.advantage_scale, batch_size=hp.batch_size, num_iterations=hp.num_iterations,
+            dynamic_sampling=hp.dynamic_sampling, max_sampling_rounds=hp.max_sampling_rounds)
 
     def _load(self, split: str, size: int) -> list[dict]:
         hp = self.hparams
@@ -247,6 +268,12 @@ class OnPolicyDataModule(L.LightningDataModule):
         tokenizer = self.trainer.lightning_module.tokenizer
         return encode_prompts(tokenizer, self.format_prompts(rows), self.hparams.max_prompt_length,
                               self.hparams.prompt_overflow)
+
+    def _encode_for_rollout(self, rows: list[dict], repeat: int):
+        """``(prompt_ids, prompt_mask, episodes, environments)`` of rows sampled ``repeat`` times each."""
+        if self.episodes is not None:
+            return self.episodes.start(self, rows, repeat)
+        return (*self.encode(rows), None, None)
 
     def next_prompts(self, count: int) -> list[dict]:
         """The next ``count`` training prompts (all ranks), reshuffled each pass."""
@@ -295,45 +322,108 @@ class OnPolicyDataModule(L.LightningDataModule):
         restored, self.restored = self.restored, None
         start = 0
         if restored is not None and restored["epoch"] == epoch:
-            result, start = RolloutResult(**restored["ranks"][rank]), restored["trained"]
+            result, start = ScoredRollout(**restored["ranks"][rank]), restored["trained"]
+            if self.hparams.staleness:
+                self._start_ahead()
         elif epoch <= self.rollout_epoch:
             return None
         else:
             before = self.position, self.passes, self.rollout_epoch
+            launched = set(self.ahead.jobs) if self.ahead else set()
             self.rollout_epoch = epoch
-            torch.manual_seed(self._seed(epoch, rank))  # sampling follows from (seed, epoch, rank)
             try:
                 # One process may abandon its rollout on SIGTERM; ranks must finish theirs (see preemption).
                 with abortable(trainer.world_size == 1):
-                    result = collect_rollout(self, trainer.lightning_module, rank)
+                    if self.hparams.staleness:
+                        result = self._produce_ahead(epoch, rank)
+                    else:
+                        torch.manual_seed(self._seed(epoch, rank))  # sampling follows from (seed, epoch, rank)
+                        result = self._produce(rank)
             except Preempted:  # give the prompts back: the checkpoint is the state before this rollout
                 self.position, self.passes, self.rollout_epoch = before
+                if self.ahead is not None:
+                    self.ahead.drop(set(self.ahead.jobs) - launched)
                 raise
-        self.last_result, self.stats_pending, self.trained = result, True, start
+        self.last_result, self.trained = result, start
         return RolloutBuffer(
-            result.rows,
+            result,
             batch_size=self.hparams.batch_size,
             num_iterations=self.hparams.num_iterations,
             accumulate=trainer.accumulate_grad_batches,
             generator=torch.Generator().manual_seed(self._seed(epoch, rank)),
             token_counts=lambda t: trainer.strategy.reduce(t, reduce_op="sum"),
-            temperature=self.sampling.temperature,
+            every_batch={"temperature": self.sampling.temperature, "max_new_tokens": self.sampling.max_new_tokens,
+                         "kl_in_rewards": self.producer.kl_in_rewards, "sampled_ahead": self.hparams.staleness > 0},
             start=start,
         )
+
+    def _produce(self, rank: int, **sampled_ahead) -> ScoredRollout:
+        """This rank's rollout of the epoch, from the module the DataModule is attached to
+        (``sampled_ahead``: :meth:`RolloutProducer.produce`'s ``first``, ``generator`` and ``stats``)."""
+        trainer = self.trainer
+
+        def missing_on_any_rank(missing: int) -> bool:
+            return bool(trainer.strategy.reduce(torch.tensor(float(missing)), reduce_op="sum") > 0)
+
+        return self.producer.produce(
+            lambda: self._my_prompts(rank), trainer.lightning_module, count=self.prompts_per_rank,
+            missing_on_any_rank=missing_on_any_rank, accumulate=trainer.accumulate_grad_batches,
+            epoch=trainer.current_epoch, **sampled_ahead)
+
+    def _produce_ahead(self, epoch: int, rank: int) -> ScoredRollout:
+        """Epoch ``epoch``'s rollout, sampled ahead; first launch what sampling ahead needs next."""
+        self._start_ahead()
+        last = epoch + self.hparams.staleness
+        if self.trainer.max_epochs is not None and self.trainer.max_epochs >= 0:
+            last = min(last, self.trainer.max_epochs - 1)  # nothing past the run's end
+        for later in range(epoch, last + 1):
+            if later not in self.ahead.jobs:
+                self._launch(later, self._my_prompts(rank), self._seed(later, rank))
+        job, waits = self.ahead.take(epoch)
+        # dynamic sampling's further rounds, if any, are sampled now, by the current weights
+        return self._produce(rank, first=(job.request, job.rollout, job.version), stats=waits,
+                             generator=torch.Generator().manual_seed(self._seed(epoch, rank, -1)))
+
+    def _start_ahead(self) -> None:
+        """Start the worker (refusing an engine that cannot sample beside training), and launch again
+        the rollouts a checkpoint had pending."""
+        if self.ahead is not None:
+            return
+        trainer = self.trainer
+        engine = trainer.lightning_module.engine
+        refusal = engine.ahead_refusal() if hasattr(engine, "ahead_refusal") else (
+            f"the {type(engine).__name__} samples in the weights training steps; use model.generation.backend "
+            "native")
+        if self.advantage_estimator == "gae":
+            refusal = "PPO's loss has no correction for a sampler older than the trainer (its critic's GAE too)"
+        if refusal:
+            raise ValueError(f"data.staleness={self.hparams.staleness}: {refusal}; or set data.staleness 0.")
+        self.ahead = SamplingAhead(self.producer.sample, abortable=trainer.world_size == 1)
+        rank = trainer.global_rank
+        for saved in self.pending:
+            self._launch(saved["epoch"], saved["ranks"][rank], self._seed(saved["epoch"], rank),
+                         adapter=saved["adapter"], version=saved["version"])
+        self.pending = []
+
+    def _launch(self, epoch: int, prompts: list[dict], seed: int, adapter: dict | None = None,
+                version: int | None = None) -> None:
+        module = self.trainer.lightning_module
+        self.ahead.launch(Job(epoch, self.producer.prepare(prompts), module.engine.frozen(adapter), seed,
+                              module.policy_version if version is None else version))
+
+    def _my_prompts(self, rank: int) -> list[dict]:
+        local = self.prompts_per_rank
+        return self.next_prompts(self.hparams.prompts_per_epoch)[rank * local : (rank + 1) * local]
+
+    def teardown(self, stage: str) -> None:
+        if self.ahead is not None:
+            self.ahead.close()
+            self.ahead = None
 
     @property
     def last_stats(self) -> dict[str, float]:
         """The latest rollout's statistics (reward, lengths, timings, ...)."""
         return self.last_result.stats if self.last_result else {}
-
-    def take_stats(self) -> dict[str, float]:
-        """The current rollout's statistics the first time they are asked for, then ``{}``.
-
-        The training step logs them once per rollout, also when a resumed run
-        restored the rollout from a checkpoint.
-        """
-        pending, self.stats_pending = self.stats_pending, False
-        return self.last_result.stats if pending and self.last_result else {}
 
     def begin_micro_batch(self, index: int) -> None:
         """Micro-batch ``index`` of the epoch's rollout starts training.
@@ -389,12 +479,21 @@ class OnPolicyDataModule(L.LightningDataModule):
         if self.last_result is not None and 0 < self.trained < self.micro_batches:
             state["rollout"] = {"epoch": self.rollout_epoch, "trained": self.trained,
                                 "ranks": gather_to_rank_zero(vars(self.last_result), trainer.world_size)}
+        if self.hparams.staleness:  # the rollouts sampling ahead: their prompts and frozen weights
+            jobs = sorted(self.ahead.jobs.values(), key=lambda job: job.epoch) if self.ahead else []
+            pending = [{"epoch": job.epoch, "version": job.version, "adapter": job.sampler.adapter,
+                        "rows": job.request.prompts} for job in jobs]
+            pending += [{**saved, "rows": saved["ranks"][trainer.global_rank]} for saved in self.pending]
+            ranks = gather_to_rank_zero([p["rows"] for p in pending], trainer.world_size)  # None off rank 0
+            state["pending"] = [{"epoch": p["epoch"], "version": p["version"], "adapter": p["adapter"],
+                                 "ranks": [rows[i] for rows in ranks or []]} for i, p in enumerate(pending)]
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.position, self.passes = state_dict["position"], state_dict["passes"]
         self.rollout_epoch = state_dict.get("rollout_epoch", -1)
         self.restored = state_dict.get("rollout")
+        self.pending = state_dict.get("pending", [])
         world = self.trainer.world_size if self.trainer else 1
         if self.restored is not None and len(self.restored["ranks"]) != world:
             raise ValueError(

@@ -3,7 +3,7 @@ group size, and the prompt budget against ranks and micro-batches (before any sa
 
 from __future__ import annotations
 
-from lit_grpo.data.rollout_round import ESTIMATORS
+from lit_grpo.rollout.estimators import ESTIMATORS
 
 
 def choose_estimator(data) -> None:

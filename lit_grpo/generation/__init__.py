@@ -65,7 +65,9 @@ class GenerationSpec:
             ``min(pi_old / pi_sampler, cap)``, where ``pi_old`` is the
             trainer's probability of the token at rollout time. For engines
             that sample in another precision than the trainer's; ``None``
-            (default) leaves the loss unweighted. 2.0 is a common choice.
+            (default) leaves the loss unweighted. 2.0 is a common choice, and
+            what rollouts sampled ahead of training (``data.staleness``) get
+            when this is ``None``.
     """
 
     backend: Literal["native", "vllm"] = "native"
@@ -109,7 +111,9 @@ class Engine(Protocol):
 
         Sampling draws its randomness from torch's global generator (the
         DataModule seeds it from ``(seed, epoch, rank)``), so a resumed run
-        samples exactly what the uninterrupted one did.
+        samples exactly what the uninterrupted one did. The native engine also
+        takes ``generator=`` (a :class:`torch.Generator` of its own), and offers
+        ``frozen()`` samplers that decode beside training (``data.staleness``).
         """
 
     def weights_changed(self) -> None:

@@ -3,7 +3,7 @@
 Pipeline, one rollout batch of B prompts x G completions (N = B*G rows):
 
 * :func:`group_advantages` -- rewards ``[N]`` -> one advantage per completion,
-  normalised within its group (DESIGN.md section 1). The other advantage
+  normalised within its group (docs/design.md, "The objective", 1). The other advantage
   estimators (``rloo``, ``reinforce_pp``, ``gae``) and how a config picks one
   are in :mod:`lit_grpo.objectives.estimators`.
 * :func:`token_logprobs` -- logits ``[N, T, V]`` + sampled tokens ``[N, T]`` ->

@@ -1,4 +1,4 @@
-"""Group-relative advantages (DESIGN.md section 1).
+"""Group-relative advantages (docs/design.md, "The objective", 1).
 
 Each completion's baseline is the mean reward of its own group of G samples
 for the same prompt; no critic. Deliberate choices:

@@ -1,4 +1,4 @@
-"""The GRPO loss: clipped surrogate + k3 KL, aggregated (DESIGN.md sections 3-6).
+"""The GRPO loss: clipped surrogate + k3 KL, aggregated (docs/design.md, "The objective", 3-6).
 
 Per token, ``l = -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A) + beta*KL``
 with ``rho = exp(logprobs - old_logprobs)``, ``A`` the completion's advantage
@@ -267,13 +267,17 @@ def sampler_gap(old_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor,
     mean absolute value and as the k3 estimate of KL(sampler || trainer)
     (``exp(delta) - 1 - delta``), both averaged over the sampled tokens
     (``mask``). The truncated importance-sampling weights ``min(exp(delta), cap)``
-    are returned only when ``cap`` is set.
+    are returned only when ``cap`` is set, with the share of sampled tokens
+    whose weight the cap cut (0 without a cap).
 
     Returns:
-        ``(weights [N, T] or None, {"sampler/logprob_abs_diff": [], "sampler/kl": []})``.
+        ``(weights [N, T] or None, {"sampler/logprob_abs_diff": [], "sampler/kl": [],
+        "sampler/is_capped_fraction": []})``.
     """
     delta = (old_logprobs.detach() - sampler_logprobs) * mask  # [N, T], 0 where not sampled
     real = mask.sum().clamp(min=1)
+    capped = ((delta.exp() > cap) & mask.bool()).sum() / real if cap else delta.new_zeros(())
     metrics = {"sampler/logprob_abs_diff": delta.abs().sum() / real,
-               "sampler/kl": (delta.exp() - 1 - delta).sum() / real}
+               "sampler/kl": (delta.exp() - 1 - delta).sum() / real,
+               "sampler/is_capped_fraction": capped}
     return (delta.exp().clamp(max=cap) if cap else None), metrics

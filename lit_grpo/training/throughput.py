@@ -128,15 +128,20 @@ class EpochThroughput:
         """Forget the epoch counted so far."""
         self.training_flops = self.generation_flops = self.trained_tokens = 0.0
 
-    def rollout(self, rows: dict[str, Tensor], generated_tokens: float) -> None:
-        """Count a rollout's generation and its scoring passes (reference, old log-probs) over ``rows``."""
-        attention = rows.get("completion_attention", rows["completion_mask"])
-        tokens, pairs = rollout_tokens(rows["prompt_ids"], rows["prompt_mask"], attention)
-        passes = [False] * ("ref_logprobs" in rows) + [True] * ("old_logprobs" in rows)  # adapter off / on
+    def rollout(self, counts: dict[str, float]) -> None:
+        """Count a rollout's generation and its scoring passes (reference, old log-probs).
+
+        Args:
+            counts: :attr:`~lit_grpo.rollout.producer.ScoredRollout.counts`: the rows'
+                ``tokens`` and ``pairs`` (:func:`rollout_tokens`), the ``generated``
+                and ``kept`` tokens, and which passes ran (``reference``, ``old``).
+        """
+        tokens, pairs = counts["tokens"], counts["pairs"]
+        passes = [False] * bool(counts["reference"]) + [True] * bool(counts["old"])  # adapter off / on
         self.training_flops += sum(self.costs.forward(tokens, pairs, adapter=on) for on in passes)
-        kept = float(attention.sum())
+        kept, generated = counts["kept"], counts["generated"]
         # Dynamic sampling's dropped groups were sampled too: the kept rows' cost, scaled to all tokens sampled.
-        scale = generated_tokens / kept if kept and generated_tokens else 1.0
+        scale = generated / kept if kept and generated else 1.0
         self.generation_flops += scale * self.costs.forward(tokens, pairs)
 
     def step(self, rows: dict[str, Tensor]) -> None:
