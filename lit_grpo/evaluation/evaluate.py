@@ -72,15 +72,64 @@ def adapter_lora(folder: str | Path) -> LoraSpec:
 
 
 def load_adapter(module: GRPOModule, folder: str | Path) -> None:
-    """Copy an exported adapter's weights into the module's (same-shaped) LoRA adapter."""
+    """Copy an exported adapter's weights into the module's (same-shaped) LoRA adapter.
+
+    Raises:
+        ValueError: The adapter was trained on a base model of other shapes (checked before any
+            weight is copied), or holds weights this model has no place for.
+    """
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    result = set_peft_model_state_dict(module.policy, load_file(Path(folder) / "adapter_model.safetensors"))
+    file = Path(folder) / "adapter_model.safetensors"
+    check_adapter_shapes(module, folder)
+    try:
+        result = set_peft_model_state_dict(module.policy, load_file(file))
+    except RuntimeError as error:  # a mismatch the check above could not see (peft renamed the weights)
+        if "size mismatch" not in str(error):
+            raise
+        detail = next((line.strip() for line in str(error).splitlines() if "size mismatch" in line), "")
+        raise ValueError(f"{_does_not_fit(module, folder)}: {detail} {_retry(folder)}") from error
     if result.unexpected_keys:
         raise ValueError(f"--adapter={str(folder)!r} holds weights this model has no place for, e.g. "
                          f"{result.unexpected_keys[0]!r}; was it trained on policy.name_or_path="
                          f"{module.spec.name_or_path!r}?")
+
+
+def check_adapter_shapes(module: GRPOModule, folder: str | Path) -> None:
+    """Refuse, before loading them, adapter weights whose shapes differ from the module's adapter: the
+    shapes in the ``adapter_model.safetensors`` header against the weights ``save_pretrained`` would write.
+
+    Raises:
+        ValueError: Naming the adapter, the base it was trained on, this model and the first weight
+            (in layer order) of another shape.
+    """
+    from peft import get_peft_model_state_dict
+    from safetensors import safe_open
+
+    with safe_open(Path(folder) / "adapter_model.safetensors", framework="pt") as f:
+        saved = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+    # save_embedding_layers=False: "auto" would look the base model up (on the hub, for a hub id).
+    ours = {key: tuple(weight.shape) for key, weight in
+            get_peft_model_state_dict(module.policy, save_embedding_layers=False).items()}
+    mismatched = [key for key in ours if key in saved and saved[key] != ours[key]]
+    if mismatched:
+        key = mismatched[0]
+        raise ValueError(f"{_does_not_fit(module, folder)}: {len(mismatched)} of its {len(saved)} weights have "
+                         f"another shape here, e.g. {key}: {saved[key]} in the adapter, {ours[key]} in this "
+                         f"model. {_retry(folder)}")
+
+
+def _does_not_fit(module: GRPOModule, folder: str | Path) -> str:
+    return f"--adapter={str(folder)!r} does not fit model.policy.name_or_path={module.spec.name_or_path!r}"
+
+
+def _retry(folder: str | Path) -> str:
+    """Where the adapter came from (its ``adapter_config.json``) and what to do."""
+    config = json.loads((Path(folder) / "adapter_config.json").read_text())
+    return (f"The adapter was trained on base_model_name_or_path={config.get('base_model_name_or_path')!r} (its "
+            "adapter_config.json); evaluate it on that base (model.policy.name_or_path), or pass an adapter "
+            "trained on this one.")
 
 
 @torch.no_grad()
@@ -168,7 +217,7 @@ class EvalCli(LightningCLI):
         parser.add_argument("--out", type=str | None, default=None, help="Also write the figures to this JSON file.")
         parser.add_argument("--transcripts", type=str | None, default=None,
                             help="Also write every greedy answer (an episode's turns too) to this JSONL file.")
-        for name in ("export_adapter", "collective_timeout"):  # fit-only keys a fit config may hold
+        for name in ("export_adapter", "collective_timeout", "preemption_grace"):  # fit-only keys a fit config may hold
             parser.add_argument(f"--{name}", default=None, help="Read from a fit config and ignored here.")
 
     def instantiate_trainer(self, **kwargs) -> L.Trainer:

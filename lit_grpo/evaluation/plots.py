@@ -24,6 +24,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from lit_grpo.cli_checks import check_writable
+
 BEFORE_TRAINING = -1  # the epoch at which values logged before the first epoch are drawn
 
 Series = dict[str, list[tuple[int, float]]]  # metric -> [(epoch, value)], epochs ascending
@@ -221,17 +223,27 @@ def _csv_logger(trainer: L.Trainer) -> CSVLogger | None:
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
-    """``lit-grpo plot RUN_DIR [--out DIR] [--each] [--panels ...]``: print the PNGs written."""
+    """``lit-grpo plot RUN_DIR [--out DIR] [--each] [--panels ...]``: print the PNGs written.
+
+    Raises:
+        NotADirectoryError: ``--out`` is a file (or under one).
+        FileNotFoundError: No ``metrics.csv`` under ``RUN_DIR``.
+        ValueError: None of the panels has data.
+    """
     parser = argparse.ArgumentParser(prog="lit-grpo plot", description="Draw a run's per-epoch curves as PNG files.")
     parser.add_argument("run_dir", help="run folder (the newest metrics.csv below it is read) or a metrics.csv")
     parser.add_argument("--out", default=None, help="folder for the PNGs (default: RUN_DIR)")
     parser.add_argument("--each", action="store_true", help="also write one PNG per metric into OUT/curves/")
     parser.add_argument("--panels", nargs="+", choices=list(PANELS), default=None, help="panels to draw (default: all)")
-    args = parser.parse_args(argv)
-    try:
-        written = plot_run(args.run_dir, args.out, args.panels, args.each)
-    except (FileNotFoundError, ValueError) as error:
-        parser.exit(2, f"lit-grpo plot: {error}\n")
+    args = parser.parse_args(argv)  # a usage error exits here, argparse's way
+    # Anything else raises: the lit-grpo command prints one "lit-grpo: <message>" line for it.
+    if args.out is not None and Path(args.out).is_file():
+        raise NotADirectoryError(
+            f"--out={args.out!r} is a file; expected a folder to write the PNGs into (curves.png, and curves/ "
+            f"with --each), e.g. --out {Path(args.out).parent}."
+        )
+    check_writable("--out", args.out)
+    written = plot_run(args.run_dir, args.out, args.panels, args.each)
     for path in written:
         print(path)
     return written

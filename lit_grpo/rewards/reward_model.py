@@ -34,12 +34,17 @@ import torch
 from torch import nn
 
 from lit_grpo.model.logprob_passes import final_hidden_states
+from lit_grpo.model.sources import CONFIG, MODEL_FOLDER_FILES, WEIGHTS, hub_offline
 from lit_grpo.model.stream import keep_stream_fp32
 from lit_grpo.rewards.base import Reward
 
 ADAPTER_DIR = "adapter"  # where rm fit's export keeps adapter + head, beside the full model
 HEAD_FILE = "reward_head.safetensors"  # weight [1, H]
 BASE_FILE = "lit_grpo_base.json"  # the base the adapter was trained on: name_or_path, init_adapter
+ADAPTER_FILES = ("adapter_config.json", HEAD_FILE, BASE_FILE)  # what shared_base=true loads
+# What name_or_path may be, said by every refusal of a path that is no model.
+EXPECTED = ("expected a folder written by lit-grpo rm fit --export_adapter or, with shared_base=false, a "
+            "sequence-classification model folder or hub id (org/name).")
 
 
 def conversation_texts(tokenizer, prompts: list[str], replies: list[str], system_prompt: str | None) -> list[str]:
@@ -118,6 +123,7 @@ class RewardModel(Reward):
                  normalize: bool = False, batch_size: int = 16, system_prompt: str | None = None,
                  max_length: int | None = 1024, dtype: str = "float32") -> None:
         super().__init__(weight, name)
+        folder = reward_model_folder(name_or_path, shared_base)  # before anything loads
         from transformers import AutoTokenizer
 
         from lit_grpo.model.policy import DTYPES
@@ -129,7 +135,7 @@ class RewardModel(Reward):
         self.name_or_path, self.shared_base, self.normalize = name_or_path, shared_base, normalize
         self.batch_size, self.system_prompt, self.max_length = batch_size, system_prompt, max_length
         self.dtype = DTYPES[dtype]
-        self.folder = _adapter_folder(name_or_path) if shared_base else _check_classifier(name_or_path)
+        self.folder = folder if shared_base else _check_classifier(folder)
         self.tokenizer = AutoTokenizer.from_pretrained(self.folder)
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
@@ -207,7 +213,12 @@ def _check_classifier(name_or_path: str) -> str:
     """Refuse, before training, a model that is not a one-output sequence classifier."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(name_or_path)
+    try:
+        config = AutoConfig.from_pretrained(name_or_path)  # a local folder, or a hub id the hub may lack
+    except OSError as error:
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise FileNotFoundError(f"RewardModel name_or_path={name_or_path!r} could not be loaded ({reason}); "
+                                f"{EXPECTED}") from error
     kinds = config.architectures or []
     if not any(kind.endswith("ForSequenceClassification") for kind in kinds):
         raise ValueError(
@@ -221,17 +232,65 @@ def _check_classifier(name_or_path: str) -> str:
     return name_or_path
 
 
-def _adapter_folder(name_or_path: str) -> str:
-    """The adapter + head folder of an ``rm fit`` export (or that folder itself)."""
+def reward_model_folder(name_or_path: str, shared_base: bool) -> str:
+    """What :class:`RewardModel` loads from ``name_or_path``: with ``shared_base`` the adapter + head
+    folder of an ``rm fit`` export (its ``adapter/``, or that folder itself), else the model folder or hub id.
+
+    The one check of both ways, before anything loads. The local path is looked at first: a folder
+    that does not exist or holds no model fails at once, with the same message either way; only a
+    name shaped like a hub id (``org/name``, with ``shared_base=false``) is looked up, in the hub's cache.
+
+    Raises:
+        FileNotFoundError: ``name_or_path`` is no folder, holds no model, or not the part the
+            ``shared_base`` way loads.
+    """
     path = Path(name_or_path)
-    folder = path / ADAPTER_DIR if (path / ADAPTER_DIR).is_dir() else path
-    missing = [f for f in ("adapter_config.json", HEAD_FILE, BASE_FILE) if not (folder / f).is_file()]
-    if missing:
-        raise FileNotFoundError(
-            f"RewardModel name_or_path={name_or_path!r} with shared_base=true has no {missing[0]} (looked in "
-            f"{str(folder)!r}); pass the folder lit-grpo rm fit --export_adapter wrote, trained with LoRA."
-        )
-    return str(folder)
+    if not path.exists():
+        if not shared_base and _hub_id(name_or_path):
+            if _hub_model_may_load(name_or_path):
+                return name_or_path
+            problem = (": no such folder, and the model hub is not reachable (offline) with no copy of that hub id "
+                       "in its cache")
+        else:
+            problem = ": no such folder"
+    elif not path.is_dir():
+        problem = " is a file, not a folder"
+    else:
+        adapter = path / ADAPTER_DIR if (path / ADAPTER_DIR).is_dir() else path
+        adapter_missing = [f for f in ADAPTER_FILES if not (adapter / f).is_file()]
+        model_missing = [what for what in (CONFIG, WEIGHTS)
+                         if not any(next(path.glob(pattern), None) for pattern in MODEL_FOLDER_FILES[what])]
+        if shared_base and not adapter_missing:
+            return str(adapter)
+        if not shared_base and not model_missing:
+            return name_or_path
+        if model_missing and not (adapter / "adapter_config.json").is_file():  # neither way's
+            problem = f" is not a model folder: it has no {' and no '.join(model_missing)}, and no adapter_config.json"
+        elif shared_base:
+            raise FileNotFoundError(
+                f"RewardModel name_or_path={name_or_path!r} with shared_base=true has no {adapter_missing[0]} "
+                f"(looked in {str(adapter)!r}); pass the folder lit-grpo rm fit --export_adapter wrote, trained "
+                "with LoRA."
+            )
+        else:
+            raise FileNotFoundError(
+                f"RewardModel name_or_path={name_or_path!r} holds no whole model, only an adapter in "
+                f"{str(adapter)!r}; load it onto the policy's base with shared_base=true, or pass a "
+                "sequence-classification model folder."
+            )
+    raise FileNotFoundError(f"RewardModel name_or_path={name_or_path!r}{problem}; {EXPECTED}")
+
+
+def _hub_id(name: str) -> bool:
+    """Whether ``name`` has the shape of a hub model id, ``org/name`` (a local path may have it too)."""
+    return re.fullmatch(r"[\w-][\w.-]*/[\w-][\w.-]*", name) is not None
+
+
+def _hub_model_may_load(name: str) -> bool:
+    """Whether the hub's cache holds model ``name``, or the hub answers (which then says); nothing is downloaded."""
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(name, "config.json"), str) or not hub_offline()
 
 
 def _shared_adapter(folder: str, adapter_name: str, module, tokenizer) -> tuple[nn.Module, nn.Linear]:
