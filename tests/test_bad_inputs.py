@@ -606,3 +606,13 @@ def test_plain_trainer_reward_that_raises_inside_the_rollout_surfaces_as_itself(
                         enable_progress_bar=False, enable_model_summary=False, reload_dataloaders_every_n_epochs=1)
     with pytest.raises(RewardFunctionError, match=r"Reward 'raising_reward' raised on row 0: KeyError\('tests'\)"):
         trainer.fit(module, data(rewards=[raising_reward], val_size=2))
+
+
+def test_a_vllm_server_that_does_not_answer_is_refused_before_training(tiny_model_dir):
+    from lit_grpo.generation import GenerationSpec
+
+    module = GRPOModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4)),
+                        generation=GenerationSpec(backend="vllm_server", urls=["http://127.0.0.1:9"]))
+    with pytest.raises(ValueError, match=r"model.generation.urls\[0\]='http://127.0.0.1:9' does not answer as a "
+                                         r"vLLM server \(.*Connection refused.*\); start it with: "):
+        module.engine.check()

@@ -347,6 +347,9 @@ class GRPOModule(PolicyModule):
         self.val_accuracy.extend(MeanMetric() for _ in range(sets - len(self.val_accuracy)))
 
     def on_train_start(self) -> None:
+        check = getattr(self.engine, "check", None)  # a remote engine's servers, before any rollout
+        if check is not None:
+            check()
         datamodule = self.trainer.datamodule
         if self.hparams.validate_before_training and self.global_step == 0 and datamodule.val_rows:
             self.initial_val_accuracy = {name: self.evaluate(rows) for name, rows in datamodule.val_sets().items()}

@@ -20,6 +20,8 @@ for it (:attr:`GenerationSpec.importance_sampling_cap`).
 from __future__ import annotations
 
 import importlib.util
+import os
+import tempfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
@@ -32,7 +34,7 @@ if TYPE_CHECKING:
 
     from lit_grpo.generation.rollout import Rollout, SamplingSpec
 
-BACKENDS = ("native", "vllm")
+BACKENDS = ("native", "vllm", "vllm_server")
 
 
 @dataclass
@@ -40,9 +42,10 @@ class GenerationSpec:
     """Which engine samples completions, and how.
 
     Args:
-        backend: ``native`` (our decode loop, the default) or ``vllm`` (vLLM in
+        backend: ``native`` (our decode loop, the default), ``vllm`` (vLLM in
             the training process, one engine per rank; ``pip install
-            "lit_grpo[vllm]"``).
+            "lit_grpo[vllm]"``) or ``vllm_server`` (vLLM servers already
+            running at ``urls``: the adapter travels after each optimizer step).
         dtype: Weight dtype the engine samples in (``bfloat16`` is faster on
             GPUs and on CPUs with AMX); ``None`` keeps the policy's. The
             objective still scores in the policy's dtype: a lower precision
@@ -68,14 +71,23 @@ class GenerationSpec:
             (default) leaves the loss unweighted. 2.0 is a common choice, and
             what rollouts sampled ahead of training (``data.staleness``) get
             when this is ``None``.
+        urls: ``vllm_server``: the servers' base URLs
+            (``["http://127.0.0.1:8000"]``); each rank spreads its prompts over all of them.
+        adapter_dir: ``vllm_server``: a folder the servers can read, where
+            each adapter version is written for them to load.
+        timeout: ``vllm_server``: seconds one request may take before the run
+            stops with an error.
     """
 
-    backend: Literal["native", "vllm"] = "native"
+    backend: Literal["native", "vllm", "vllm_server"] = "native"
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     merge: bool = True
     kv_cache_gb: float = 1.0
     max_model_len: int | None = None
     importance_sampling_cap: float | None = None
+    urls: list[str] | None = None
+    adapter_dir: str = "/dev/shm/lit_grpo_adapters" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    timeout: float = 300.0
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -125,6 +137,10 @@ class Engine(Protocol):
 
 def build_engine(spec: GenerationSpec, module) -> Engine:
     """The engine ``spec`` names, for ``module`` (a GRPOModule or subclass, set up)."""
+    if spec.backend == "vllm_server":
+        from lit_grpo.generation.vllm_server import VLLMServerEngine
+
+        return VLLMServerEngine(spec, module)
     if spec.backend == "vllm":
         from lit_grpo.generation.vllm import VLLMEngine
 

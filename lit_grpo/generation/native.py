@@ -61,14 +61,14 @@ class NativeEngine:
         policy = self.module.policy
         current = adapter_state(policy)
         if adapter is not None:
-            _load_trainable(policy, adapter)
+            load_trainable(policy, adapter)
         try:
             merged = MergedPolicy(policy, DTYPES[self.spec.dtype] if self.spec.dtype else None)
             held = merged(policy)
             model = held.__enter__()
         finally:
             if adapter is not None:
-                _load_trainable(policy, current)
+                load_trainable(policy, current)
         return FrozenSampler(model, held, copy.deepcopy(self.module.tokenizer), adapter or current)
 
     @contextlib.contextmanager
@@ -128,7 +128,8 @@ def adapter_state(policy: nn.Module) -> dict[str, Tensor]:
     return {name: p.detach().to("cpu", copy=True) for name, p in policy.named_parameters() if p.requires_grad}
 
 
-def _load_trainable(policy: nn.Module, state: dict[str, Tensor]) -> None:
+def load_trainable(policy: nn.Module, state: dict[str, Tensor]) -> None:
+    """Copy ``state`` (:func:`adapter_state`'s) into the policy's trainable weights."""
     with torch.no_grad():
         for name, p in policy.named_parameters():
             if name in state:

@@ -97,12 +97,15 @@ class SamplingAhead:
         for epoch in epochs:
             job = self.jobs.pop(epoch, None)
             if job is not None:
-                job.dropped = True  # the worker frees it
+                job.dropped = True  # the worker frees it, or here if it is done with it
+                if job.done.is_set():
+                    job.sampler.close()
 
     def close(self) -> None:
-        """Stop the worker after the job it is on; free every frozen sampler."""
+        """Stop the worker after the job it is on (waited for); free every frozen sampler."""
         self.drop(list(self.jobs))
         self.queue.put(None)
+        self.worker.join()
 
     def _work(self) -> None:
         while (job := self.queue.get()) is not None:
