@@ -19,18 +19,25 @@ threads share the same cores, so the overlap shows in the wait, not in a
 large gain of the step.
 
     python benchmarks/async_rollouts.py --epochs 6 --staleness 0 1
+    python benchmarks/async_rollouts.py --epochs 6 --staleness 0 1 --server http://127.0.0.1:8000
+
+``--server`` runs the same with a vLLM server of the embedded model that is
+already running (docs/engines.md shows its command line) in place of the
+native engine.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 
 import lightning as L
 
 from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.data.grpo import OnPolicyDataModule
+from lit_grpo.generation import GenerationSpec
 from lit_grpo.generation.rollout import SamplingSpec
 from lit_grpo.model.hardware import cpu_name
 from lit_grpo.model.policy import LoraSpec, PolicySpec
@@ -60,10 +67,11 @@ class EpochClock(L.Callback):
         })
 
 
-def run(staleness: int, epochs: int, seed: int) -> list[dict[str, float]]:
+def run(staleness: int, epochs: int, seed: int, server: str | None) -> list[dict[str, float]]:
     L.seed_everything(seed)
+    generation = GenerationSpec(backend="vllm_server", urls=[server]) if server else GenerationSpec()
     module = GRPOModule(policy=PolicySpec(lora=LoraSpec(r=16, alpha=32)), progress=False,
-                        validate_before_training=False)
+                        validate_before_training=False, generation=generation)
     data = OnPolicyDataModule(
         task_args=[{"digits": 2, "ops": "+"}, {"digits": [2, 3], "ops": "+"}, {"digits": [3, 3], "ops": "+"}],
         val_size=1, prompts_per_epoch=4, batch_size=32, dynamic_sampling=True, staleness=staleness, seed=seed,
@@ -71,7 +79,7 @@ def run(staleness: int, epochs: int, seed: int) -> list[dict[str, float]]:
     clock = EpochClock()
     trainer = L.Trainer(accelerator="cpu", max_epochs=epochs, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        reload_dataloaders_every_n_epochs=1, callbacks=[clock])
+                        reload_dataloaders_every_n_epochs=1, callbacks=[clock], default_root_dir=tempfile.mkdtemp())
     trainer.fit(module, data)
     return clock.rows[1:]
 
@@ -81,14 +89,15 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--server", default=None, help="a running vLLM server's URL: sample there")
     args = parser.parse_args()
-    print(f"CPU: {cpu_name()}")
+    print(f"CPU: {cpu_name()}; engine: {'vLLM server ' + args.server if args.server else 'native'}")
     columns = ("step s", "gen s", "train s", "wait s", "sampler idle s", "tokens/s")
     print("| staleness | epoch | " + " | ".join(columns) + " |")
     print("|---|---|" + "---|" * len(columns))
     medians = {}
     for staleness in args.staleness:
-        rows = run(staleness, args.epochs, args.seed)
+        rows = run(staleness, args.epochs, args.seed, args.server)
         for epoch, row in enumerate(rows, start=1):
             print(f"| {staleness} | {epoch} | " + " | ".join(f"{row[c]:.2f}" for c in columns) + " |")
         medians[staleness] = {c: statistics.median(row[c] for row in rows) for c in columns}

@@ -312,7 +312,7 @@ def test_generation_dtype_without_the_merged_copy():
 
 
 def test_unknown_generation_backend():
-    with pytest.raises(ValueError, match=r"model.generation.backend='sglang'; expected one of \['native', 'vllm'\]"):
+    with pytest.raises(ValueError, match=r"model.generation.backend='sglang'; expected one of \['native', 'vllm', 'vllm_server'\]"):
         GenerationSpec(backend="sglang")
 
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lit_grpo.environments import CallFormat, ToolCall, ToolResult, Toolbox, run_concurrently
-from lit_grpo.generation.rollout import Rollout
+from lit_grpo.generation.samples import Rollout
 
 # Why a turn ended: EOS, the call format's stop text, or a budget (the policy's or the trajectory's).
 EOS, CALL, BUDGET = "eos", "call", "budget"

@@ -16,7 +16,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from lit_grpo.generation.decode_step import LlamaStep, ModelStep, llama_step_applies
+from lit_grpo.generation.episodes import Episodes
+from lit_grpo.generation.samples import Rollout
+from lit_grpo.model.kv_cache import with_cache
 from lit_grpo.training.preemption import check_abort
+
+__all__ = ["Rollout", "SamplingSpec", "encode_prompts", "eos_ids", "finish_rollout", "generate"]
 
 
 @dataclass
@@ -59,30 +65,6 @@ class SamplingSpec:
         if self.ignore_eos and self.mask_truncated:
             raise ValueError("sampling.mask_truncated=True with sampling.ignore_eos=True would drop every "
                              "completion from the loss (none ends at EOS); set one of them to false.")
-
-
-@dataclass
-class Rollout:
-    """Sampled completions for N = B*G rows (groups contiguous)."""
-
-    prompt_ids: Tensor  # [N, P] left-padded
-    prompt_mask: Tensor  # [N, P]
-    completion_ids: Tensor  # [N, C] right-padded
-    completion_mask: Tensor  # [N, C] 1 up to and including EOS
-    truncated: Tensor  # [N] bool: no EOS within max_new_tokens
-    texts: list[str]
-    seconds: float
-    # [N, C] float32: the sampler's log-prob of each sampled token under the distribution
-    # it drew from (temperature, top-k/top-p), 0 at padding; None for greedy decoding.
-    logprobs: Tensor | None = None
-    # Episodes (lit_grpo.generation.episodes): [N, C] 1 at every real token, the policy's and
-    # the tools' (completion_mask is then the policy's tokens only), and each row's record.
-    completion_attention: Tensor | None = None
-    episodes: list | None = None
-
-    @property
-    def lengths(self) -> Tensor:
-        return self.completion_mask.sum(-1)  # [N]
 
 
 def eos_ids(tokenizer, model: nn.Module) -> list[int]:
@@ -190,8 +172,6 @@ def generate(
     model.eval()
     state = None
     if episodes is not None:
-        from lit_grpo.generation.episodes import Episodes
-
         state = Episodes(episodes, tokenizer, sampling.max_new_tokens, eos.tolist())
     start = time.perf_counter()
     try:
@@ -237,10 +217,7 @@ def _decode(model, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, pad, 
     cache is computed once and repeated. With ``episodes`` (an
     :class:`~lit_grpo.generation.episodes.Episodes`) each step feeds every row
     a token, sampled or its next tool token, and the episodes record them."""
-    from transformers import DynamicCache
-
-    from lit_grpo.generation.decode_step import LlamaStep, ModelStep, llama_step_applies
-    from lit_grpo.model.kv_cache import with_cache
+    from transformers import DynamicCache  # transformers loads on first use, not with this module
 
     n = prompt_ids.shape[0] * repeat
     width = sampling.max_new_tokens if episodes is None else episodes.width

@@ -47,7 +47,8 @@ from torch import Tensor
 from lit_grpo.training.distributed import gathered
 from lit_grpo.generation.merged import merged_weights, trained_weight_names
 from lit_grpo.generation.rollout import Rollout, SamplingSpec, eos_ids, finish_rollout
-from lit_grpo.model.policy import EMBEDDED
+from lit_grpo.generation.episodes import Episodes
+from lit_grpo.model.policy import DTYPES, EMBEDDED
 from lit_grpo.model.sources import embedded_model_dir
 
 class VLLMEngine:
@@ -120,8 +121,6 @@ class VLLMEngine:
         prompt + trajectory (the prefix cache holds what was read before); all calls of a turn run together."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-
-        from lit_grpo.generation.episodes import Episodes
 
         state = Episodes(spec, self.module.tokenizer, sampling.max_new_tokens, eos)
         contexts = [p["prompt_token_ids"] for p in prompts for _ in range(repeat)]
@@ -259,8 +258,6 @@ def _distributed() -> bool:
 
 
 def _torch_dtype(spec, module) -> torch.dtype:
-    from lit_grpo.model.policy import DTYPES
-
     return DTYPES[spec.dtype] if spec.dtype else module.spec.torch_dtype
 
 
