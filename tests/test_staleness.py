@@ -78,8 +78,11 @@ def test_killed_and_preempted_under_staleness_1_resumes_to_the_straight_runs_ada
     straight = run(ahead_command(tiny_model_dir, tmp_path / "straight"))
     assert straight.returncode == 0, straight.stderr[-3000:]
     root = tmp_path / "struck"
+    # The first kill lands before epoch 1's first step, so the second run waits for epoch 1's rollout,
+    # relaunched from the checkpoint, when SIGTERM comes: a job relaunched is still pending in its save.
     for phase, epoch, index, strike in [
         ("rollout", 1, 5, "SIGKILL"),     # the worker sampling epoch 2's rollout while epoch 1 trains
+        ("rollout", 1, 5, "SIGTERM"),     # preempted while the worker samples: its job stays pending
         ("backward", 1, 2, "SIGKILL"),    # inside epoch 1, epoch 2's rollout pending
         ("backward", 2, 0, "SIGTERM"),    # preempted: saves at the next step and exits 143
         ("optimizer", 2, 2, "SIGKILL"),   # before the last step (the resumed loop counts from 0)

@@ -329,7 +329,8 @@ class OnPolicyDataModule(L.LightningDataModule):
             return None
         else:
             before = self.position, self.passes, self.rollout_epoch
-            launched = set(self.ahead.jobs) if self.ahead else set()
+            # the rollouts sampling ahead before this call, a checkpoint's pending ones included
+            launched = {saved["epoch"] for saved in self.pending} | set(self.ahead.jobs if self.ahead else ())
             self.rollout_epoch = epoch
             try:
                 # One process may abandon its rollout on SIGTERM; ranks must finish theirs (see preemption).
@@ -419,6 +420,10 @@ class OnPolicyDataModule(L.LightningDataModule):
         if self.ahead is not None:
             self.ahead.close()
             self.ahead = None
+
+    def on_exception(self, exception: BaseException) -> None:
+        # Lightning runs no teardown hook after an error or a preemption: stop the worker here.
+        self.teardown("fit")
 
     @property
     def last_stats(self) -> dict[str, float]:

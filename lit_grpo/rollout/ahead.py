@@ -67,6 +67,7 @@ class SamplingAhead:
         self.jobs: dict[int, Job] = {}  # epoch -> job, launched and not yet taken
         self.queue: queue.Queue[Job | None] = queue.Queue()
         self.last_finished: float | None = None
+        self.cancelled = threading.Event()  # set by close(): the job running stops at its next decoding step
         self.worker = threading.Thread(target=self._work, name="lit-grpo-sampling-ahead", daemon=True)
         self.worker.start()
 
@@ -102,8 +103,10 @@ class SamplingAhead:
                     job.sampler.close()
 
     def close(self) -> None:
-        """Stop the worker after the job it is on (waited for); free every frozen sampler."""
+        """Stop the worker (the job it is on at its next decoding step) and wait for it; free every
+        frozen sampler. A worker thread left running would end the process in C++ at its exit."""
         self.drop(list(self.jobs))
+        self.cancelled.set()
         self.queue.put(None)
         self.worker.join()
 
@@ -113,7 +116,7 @@ class SamplingAhead:
                 job.started = time.perf_counter()
                 job.idle = max(0.0, job.started - max(job.launched, self.last_finished or job.launched))
                 try:
-                    with abortable(self.abortable):
+                    with abortable(self.abortable, cancel=self.cancelled):
                         generator = torch.Generator().manual_seed(job.seed)
                         job.rollout = self.sample(job.request, job.sampler, generator)
                 except BaseException as error:  # handed to the training thread by take()

@@ -61,24 +61,33 @@ def stop_requested() -> int | None:
     return _requested[0] if _requested else None
 
 
+class Cancelled(Exception):
+    """Work abandoned because its owner closed (see :func:`abortable`'s ``cancel``)."""
+
+
 def check_abort() -> None:
-    """Raise :class:`Preempted` when a stop was requested and the running code may stop here.
+    """Raise :class:`Preempted` when a stop was requested and the running code may stop here,
+    :class:`Cancelled` when its ``cancel`` event is set.
 
     Called once per decoding step; only inside :func:`abortable` does it raise.
     """
+    cancel = getattr(_abortable, "cancel", None)
+    if cancel is not None and cancel.is_set():
+        raise Cancelled
     if _requested and getattr(_abortable, "on", False):
         raise Preempted(_requested[0])
 
 
 @contextlib.contextmanager
-def abortable(allowed: bool = True):
-    """Mark the code inside as safe to abandon on a stop request (see :func:`check_abort`)."""
-    previous = getattr(_abortable, "on", False)
-    _abortable.on = allowed
+def abortable(allowed: bool = True, cancel: threading.Event | None = None):
+    """Mark the code inside as safe to abandon on a stop request (see :func:`check_abort`), and
+    (``cancel``) as abandoned once that event is set."""
+    previous = getattr(_abortable, "on", False), getattr(_abortable, "cancel", None)
+    _abortable.on, _abortable.cancel = allowed, cancel
     try:
         yield
     finally:
-        _abortable.on = previous
+        _abortable.on, _abortable.cancel = previous
 
 
 class PreemptionCheckpoint(Callback):
