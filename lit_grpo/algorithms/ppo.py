@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -45,7 +44,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from lit_grpo.model.adapters import active_adapter, kept_requires_grad
-from lit_grpo.algorithms.grpo import SCORED_KEYS, GRPOModule
+from lit_grpo.algorithms.on_policy import SCORED_KEYS, OnPolicyModule
 from lit_grpo.training.distributed import full_tensors, shard
 from lit_grpo.generation import GenerationSpec
 from lit_grpo.model.logprob_passes import completion_hidden_states, completion_logprobs
@@ -58,7 +57,7 @@ ACTOR, CRITIC = "default", "critic"  # peft adapter names; CRITIC also names the
 VALUE_HEAD_FILE = "value_head.safetensors"
 
 
-class PPOModule(GRPOModule):
+class PPOModule(OnPolicyModule):
     """Proximal Policy Optimization with a LoRA actor and a critic, by default on the same frozen base.
 
     Args:
@@ -125,17 +124,10 @@ class PPOModule(GRPOModule):
     ) -> None:
         if loss_type not in ("bnpo", "grpo", "dr_grpo"):  # dapo's global rescale would scale the value loss too
             raise ValueError(f"model.loss_type={loss_type!r}; expected one of ['bnpo', 'dr_grpo', 'grpo'].")
-        super().__init__(policy, beta=0.0, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
-                         loss_type=loss_type, max_completion_length=max_completion_length,
-                         optimizer=optimizer, scheduler=scheduler, max_nonfinite_steps=max_nonfinite_steps,
-                         log_samples=log_samples, progress=progress,
-                         validate_before_training=validate_before_training,
-                         skip_zero_gradient_rows=False, generation=generation)
-        # Only this class's own arguments (save_hyperparameters merges into GRPOModule's):
-        # the saved hyper-parameters must rebuild a PPOModule.
-        self.hparams.clear()
-        self.save_hyperparameters(ignore=["optimizer", "scheduler"], frame=inspect.currentframe())
-        for name, value in (("vf_coef", vf_coef), ("value_clip", value_clip), ("kl_coef", kl_coef)):
+        super().__init__(policy, optimizer, scheduler, max_nonfinite_steps, generation)
+        self.save_hyperparameters(ignore=["optimizer", "scheduler"])
+        for name, value in (("vf_coef", vf_coef), ("value_clip", value_clip), ("kl_coef", kl_coef),
+                            ("epsilon_low", epsilon_low), ("epsilon_high", epsilon_high)):
             if not value >= 0:
                 raise ValueError(f"model.{name}={value}; expected >= 0.")
         for name, value in (("gamma", gamma), ("lam", lam)):

@@ -1,0 +1,248 @@
+"""OnPolicyModule: what the objectives that train on rollouts share (GRPO, RLOO, REINFORCE++, PPO).
+
+The engine that samples, the scoring passes a rollout needs (reference and old
+log-probs, a critic's values), the rollout's statistics and samples arriving
+with its first micro-batch, the per-epoch timings and MFU, greedy validation
+on the held-out sets, and the epoch line. :class:`~lit_grpo.algorithms.grpo.GRPOModule`
+and :class:`~lit_grpo.algorithms.ppo.PPOModule` are siblings over it; each
+adds its arguments, its loss (``training_step``) and what it tells the
+advantage estimators (``estimator_options``).
+
+Subclasses save ``log_samples``, ``progress`` and ``validate_before_training``
+among their hyper-parameters; this class reads them there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torchmetrics import MeanMetric
+from tqdm.auto import tqdm
+
+from lit_grpo.algorithms.answers import greedy_accuracy
+from lit_grpo.algorithms.base import PolicyModule
+from lit_grpo.evaluation.samples import append_samples
+from lit_grpo.generation import Engine, GenerationSpec, build_engine
+from lit_grpo.generation.vllm import check_policy
+from lit_grpo.model.hardware import peak_flops
+from lit_grpo.model.logprob_passes import completion_logprobs
+from lit_grpo.model.policy import PolicySpec
+from lit_grpo.rollout.producer import MAX_STATS
+from lit_grpo.training.throughput import EpochThroughput, FlopModel
+
+# The rollout columns a scoring pass reads (and an episode's attention mask, where the rollout has one).
+SCORED_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+# Phases of a training step timed per epoch (logged as time/<phase>).
+_STEP_PHASES = ("policy_forward", "policy_backward", "optimizer")
+
+
+class OnPolicyModule(PolicyModule):
+    """Base class of the objectives that train on rollouts (see the module docstring).
+
+    Args:
+        policy: Which model to train, its adapter, quantization and dtype.
+        optimizer: Optimizer factory over the trainable parameters.
+        scheduler: Optional learning-rate scheduler factory.
+        max_nonfinite_steps: Consecutive non-finite steps skipped before training stops.
+        generation: Which engine samples rollouts and validation answers.
+    """
+
+    # Whether the native engine may decode on the adapter folded into the weights.
+    merges_for_generation = True
+    # The DataModule's advantage estimators this objective trains with; the first is the default.
+    ADVANTAGE_ESTIMATORS: tuple[str, ...] = ()
+    # Why this objective cannot train on episodes (tools, environments); empty: it can.
+    EPISODES_REFUSED = ""
+
+    def __init__(
+        self,
+        policy: PolicySpec | None = None,
+        optimizer: OptimizerCallable | None = None,
+        scheduler: LRSchedulerCallable | None = None,
+        max_nonfinite_steps: int = 3,
+        generation: GenerationSpec | None = None,
+    ) -> None:
+        super().__init__(policy, optimizer, scheduler, max_nonfinite_steps)
+        self.generation = generation or GenerationSpec()
+        if self.generation.backend == "vllm":
+            check_policy(self.spec)
+        self.val_accuracy = torch.nn.ModuleList([MeanMetric()])  # one per held-out set (data.val_sets())
+        self._engine: Engine | None = None  # built at the first rollout, on the policy's device
+
+    # ------------------------------------------------------------------ model
+    @property
+    def policy_version(self) -> int:
+        """The version of the weights: optimizer steps taken (what a rollout sampled now is tagged with)."""
+        return self.global_step if self._trainer is not None else 0
+
+    @property
+    def engine(self) -> Engine:
+        """What samples completions (:mod:`lit_grpo.generation`), built on first use."""
+        if self._engine is None:
+            self._engine = build_engine(self.generation, self)
+        return self._engine
+
+    def optimizer_step(self, *args, **kwargs) -> None:
+        super().optimizer_step(*args, **kwargs)
+        if self._engine is not None:
+            self._engine.weights_changed()
+
+    def teardown(self, stage: str) -> None:
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+
+    def show_progress(self, description: str, total: int | None = None):
+        """A progress bar (decoding steps) for a rollout phase on rank 0, or ``None``."""
+        shown = self._trainer is None or self._trainer.progress_bar_callback is not None
+        if not (self.hparams.progress and shown) or self.global_rank != 0:
+            return None
+        return tqdm(desc=description, total=total, unit="step", leave=False, dynamic_ncols=True)
+
+    @torch.no_grad()
+    def rollout_logprobs(self, rows: dict, temperature: float, reference: bool,
+                         batch_size: int | None = None) -> torch.Tensor:
+        """Log-probs of rollout completions without grad: ``[N, C]``, ``batch_size`` rows per pass
+        (``None``: all at once).
+
+        ``reference=True`` scores with the reference policy (the adapter
+        disabled, or the frozen copy under full fine-tuning).
+        """
+        with self.reference_model() if reference else contextlib.nullcontext(self.policy) as model:
+            was_training = model.training
+            model.eval()
+            logprobs = self.score_rollout(rows, lambda **part: completion_logprobs(
+                model, **part, temperature=temperature)[0], batch_size)
+            model.train(was_training)
+        return logprobs
+
+    def score_rollout(self, rows: dict, score, batch_size: int | None = None) -> torch.Tensor:
+        """``score(**part)`` over the rollout's rows, ``batch_size`` at a time (``None``: all at once),
+        concatenated on the CPU: ``[N, C]``.
+
+        ``part`` holds a micro-batch's ``prompt_ids``, ``prompt_mask``,
+        ``completion_ids`` and ``completion_mask`` on the module's device, and
+        ``completion_attention`` where the rollout has one (episodes).
+        """
+        size = batch_size or len(rows["prompt_ids"])
+        keys = SCORED_KEYS + tuple(k for k in ("completion_attention",) if k in rows)
+        out = []
+        for start in range(0, rows["prompt_ids"].shape[0], size):
+            part = {k: rows[k][start : start + size].to(self.device) for k in keys}
+            out.append(score(**part).float().cpu())
+        return torch.cat(out)  # [N, C]
+
+    def _log_rollout_stats(self, batch: dict) -> None:
+        """Log the rollout's statistics, which its first micro-batch carries (on every rank at once)."""
+        if "rollout_stats" in batch:
+            stats, self.rollout_samples = batch["rollout_stats"], batch["rollout_samples"]
+            self.throughput.rollout(batch["rollout_counts"])
+            self.rollout_seconds = {k.removeprefix("time/"): v for k, v in stats.items() if k.startswith("time/")}
+            self.log_reduced({k: v for k, v in stats.items() if k not in MAX_STATS})
+            self.log_reduced({k: stats[k] for k in MAX_STATS}, op="max")
+
+    def _log_step(self, metrics: dict, loss, rows: int) -> None:
+        # Every rank reaches this in every step, also one whose rows were all skipped
+        # (weight 0), so the reduction inside is a collective all ranks take part in.
+        self.log_reduced(metrics, weight=rows)
+        self.log_reduced({"train/loss": loss}, weight=rows, prog_bar=True, on_step=True)
+
+    def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
+        self.trainer.datamodule.begin_micro_batch(batch["micro_batch"])
+
+    def on_after_backward(self) -> None:
+        self._add_time("policy_backward", time.perf_counter() - self._backward_start)
+
+    def on_train_batch_end(self, outputs, batch: dict, batch_idx: int) -> None:
+        # The epoch's timings are complete after its last step (optimizer included);
+        # they are reduced here, where every rank is in step, not at epoch end.
+        if batch["micro_batch"] + 1 == batch["micro_batches"]:
+            values = {f"time/{phase}": self.phase_seconds.get(phase, 0.0) for phase in _STEP_PHASES}
+            values.update(self.throughput.metrics({**self.rollout_seconds, **self.phase_seconds}))
+            self.log_reduced({**values, "train/skipped_steps": float(self.guard.skipped)})
+
+    # ---------------------------------------------------------------- logging
+    def on_fit_start(self) -> None:
+        # Trainer.log_dir is a broadcast: asked once here, where every rank asks,
+        # never in the epoch-end hooks that only rank 0 gets to write from.
+        self.log_dir = self.trainer.log_dir
+        # The peak is measured on a CPU (cached after the first run): by rank 0 alone, so that
+        # ranks sharing the cores do not slow each other's probe, and broadcast.
+        peak = peak_flops(self.device, self.spec.cache_dir) if self.global_rank == 0 else 0.0
+        self.throughput = EpochThroughput(FlopModel.of(self.policy), self.trainer.strategy.broadcast(peak, src=0))
+        self.rollout_seconds: dict[str, float] = {}
+        self.rollout_samples: list[tuple] = []  # the latest rollout's, written at the epoch's end
+
+    def on_train_epoch_start(self) -> None:
+        self.phase_seconds = {}
+        self.throughput.reset()
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if self.EPISODES_REFUSED and getattr(self.trainer.datamodule, "episodes", None) is not None:
+            raise ValueError(f"data.tools / data.environment with {type(self).__name__}: {self.EPISODES_REFUSED}")
+        sets = len(self.trainer.datamodule.val_sets()) if self.trainer.datamodule is not None else 1
+        self.val_accuracy.extend(MeanMetric() for _ in range(sets - len(self.val_accuracy)))
+
+    def on_train_start(self) -> None:
+        check = getattr(self.engine, "check", None)  # a remote engine's servers, before any rollout
+        if check is not None:
+            check()
+        datamodule = self.trainer.datamodule
+        if self.hparams.validate_before_training and self.global_step == 0 and datamodule.val_rows:
+            self.initial_val_accuracy = {name: self.evaluate(rows) for name, rows in datamodule.val_sets().items()}
+            for logger in self.loggers:
+                logger.log_metrics(self.initial_val_accuracy, step=0)
+            if self.global_rank == 0 and self.hparams.progress:
+                tqdm.write("before training: " + _accuracies(self.initial_val_accuracy))
+        # The epoch clock runs from one epoch's end to the next, so it includes the
+        # rollout, which Lightning runs before on_train_epoch_start.
+        self.epoch_started = time.perf_counter()
+
+    def evaluate(self, rows: list[dict] | None = None) -> float:
+        """Greedy accuracy on ``rows``, by default the validation prompts (see :func:`greedy_accuracy`)."""
+        datamodule = self.trainer.datamodule
+        return greedy_accuracy(self, datamodule, datamodule.val_rows if rows is None else rows)
+
+    def on_train_epoch_end(self) -> None:
+        # No collective here: only rank 0 reaches the progress bar's and our own
+        # rank-0 work, so everything logged was reduced in the steps already.
+        self._write_samples()
+        metrics = self.trainer.callback_metrics
+        summary = f"epoch {self.current_epoch}: reward {float(metrics.get('reward/total', float('nan'))):.3f}"
+        validated = {name: float(metrics[name]) for name in self.trainer.datamodule.val_sets() if name in metrics}
+        if validated:
+            summary += " | " + _accuracies(validated)
+        summary += f" | {time.perf_counter() - self.epoch_started:.1f} s"
+        if self.global_rank == 0 and self.hparams.progress:
+            tqdm.write(summary)
+        self.epoch_started = time.perf_counter()
+
+    def _write_samples(self) -> None:
+        samples = self.rollout_samples[: self.hparams.log_samples]
+        if samples and self.log_dir is not None and self.global_rank == 0:
+            append_samples(self.log_dir, self.current_epoch, samples)
+
+    # ------------------------------------------------------------- validation
+    def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
+        completions = self.answer(batch["prompt_ids"], batch["prompt_mask"], batch.get("episodes"))
+        scores = self.trainer.datamodule.score_validation(batch["rows"], completions)
+        metric = self.val_accuracy[dataloader_idx]
+        metric.update(scores.to(self.device))
+        name = list(self.trainer.datamodule.val_sets())[dataloader_idx]
+        self.log(name, metric, on_step=False, on_epoch=True, prog_bar=True, batch_size=len(completions),
+                 add_dataloader_idx=False, metric_attribute=f"val_accuracy.{dataloader_idx}")
+
+    def answer(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, episodes=None) -> list[str]:
+        """Greedy completions of left-padded prompts (what validation scores); with ``episodes``
+        (an :class:`~lit_grpo.generation.episodes.EpisodeSpec`) greedy episodes' final answers."""
+        return self.engine.generate(prompt_ids, prompt_mask, self.trainer.datamodule.sampling, greedy=True,
+                                    episodes=episodes).texts
+
+
+def _accuracies(values: dict[str, float]) -> str:
+    """``val/accuracy 0.125 | val/3+2/accuracy 0.031``."""
+    return " | ".join(f"{name} {value:.3f}" for name, value in values.items())
