@@ -30,6 +30,7 @@ from lit_grpo.generation import GenerationSpec
 from lit_grpo.generation.rollout import SamplingSpec
 from lit_grpo.model.policy import LoraSpec, PolicySpec, load_tokenizer
 from lit_grpo.rewards import Accuracy, RewardCombiner, RewardFunctionError
+from test_eval import SecretScore
 
 
 @pytest.fixture(scope="module")
@@ -563,19 +564,8 @@ def raising_reward(prompts, completions, **columns):
     raise KeyError("tests")
 
 
-class NoReward:
+class NoReward(SecretScore):
     """An environment whose ``get_reward`` forgets to return."""
-
-    def reset(self, **row) -> None:
-        self.secret = row["secret"]
-
-    def guess(self, number: int) -> str:
-        """Guesses the secret.
-
-        Args:
-            number: The guess.
-        """
-        return "no"
 
     def get_reward(self):
         return None

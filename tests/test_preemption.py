@@ -74,31 +74,39 @@ def test_an_epoch_is_saved_when_validation_runs_every_5_epochs(tmp_path, tiny_mo
     assert checkpoint["epoch"] == 0 and checkpoint["global_step"] == 2
 
 
-def test_a_plain_trainer_stops_on_sigterm_with_a_checkpoint_and_exit_code_143(tmp_path, tiny_model_dir):
+def plain_trainer_run(model_dir: str, root, signals: str, plugins: str = "[]", env: dict | None = None):
+    """A plain-``Trainer`` GRPO fit on the tiny model in a fresh process (3 epochs of 2 steps), which sends
+    itself ``signals[global_step]`` (a dict of signal names) at the start of those steps."""
     script = f"""
 import os, signal
 import lightning as L
+from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.data.grpo import OnPolicyDataModule
 from lit_grpo.generation.rollout import SamplingSpec
 from lit_grpo.model.policy import LoraSpec, PolicySpec
 
-class Terminate(L.Callback):
+class Signals(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step == 1:
-            os.kill(os.getpid(), signal.SIGTERM)
+        name = {signals}.get(trainer.global_step)
+        if name:
+            os.kill(os.getpid(), getattr(signal, name))
 
-module = GRPOModule(policy=PolicySpec(name_or_path={tiny_model_dir!r}, lora=LoraSpec(r=4)), progress=False,
+module = GRPOModule(policy=PolicySpec(name_or_path={model_dir!r}, lora=LoraSpec(r=4)), progress=False,
                     validate_before_training=False)
 data = OnPolicyDataModule(train_size=20, val_size=2, prompts_per_epoch=2, batch_size=4,
                           sampling=SamplingSpec(group_size=4, max_new_tokens=4))
 trainer = L.Trainer(accelerator="cpu", max_epochs=3, logger=False, enable_progress_bar=False,
-                    reload_dataloaders_every_n_epochs=1, default_root_dir={str(tmp_path)!r},
-                    callbacks=[Terminate()])
+                    reload_dataloaders_every_n_epochs=1, default_root_dir={str(root)!r},
+                    plugins={plugins}, callbacks=[Signals()])
 trainer.fit(module, data)
 print("fit returned")
 """
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_a_plain_trainer_stops_on_sigterm_with_a_checkpoint_and_exit_code_143(tmp_path, tiny_model_dir):
+    result = plain_trainer_run(tiny_model_dir, tmp_path, '{1: "SIGTERM"}')
     assert result.returncode == 143, result.stderr[-3000:]
     assert "fit returned" not in result.stdout
     last = result.stderr.strip().splitlines()[-1]
@@ -111,32 +119,10 @@ print("fit returned")
 def test_lightnings_slurm_requeue_signal_still_saves_its_checkpoint_beside_ours(tmp_path, tiny_model_dir):
     # Under SLURM with auto_requeue, SIGUSR1 is Lightning's: it saves hpc_ckpt_1.ckpt and asks scontrol to
     # requeue (absent here: it warns); the SIGTERM that follows a requeue is ours: last.ckpt, exit 143.
-    script = f"""
-import os, signal
-import lightning as L
-from lightning.pytorch.plugins.environments import SLURMEnvironment
-from lit_grpo.algorithms.grpo import GRPOModule
-from lit_grpo.data.grpo import OnPolicyDataModule
-from lit_grpo.generation.rollout import SamplingSpec
-from lit_grpo.model.policy import LoraSpec, PolicySpec
-
-class Signals(L.Callback):
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step in (1, 2):
-            os.kill(os.getpid(), signal.SIGUSR1 if trainer.global_step == 1 else signal.SIGTERM)
-
-module = GRPOModule(policy=PolicySpec(name_or_path={tiny_model_dir!r}, lora=LoraSpec(r=4)), progress=False,
-                    validate_before_training=False)
-data = OnPolicyDataModule(train_size=20, val_size=2, prompts_per_epoch=2, batch_size=4,
-                          sampling=SamplingSpec(group_size=4, max_new_tokens=4))
-trainer = L.Trainer(accelerator="cpu", max_epochs=3, logger=False, enable_progress_bar=False,
-                    reload_dataloaders_every_n_epochs=1, default_root_dir={str(tmp_path)!r},
-                    plugins=[SLURMEnvironment(auto_requeue=True)], callbacks=[Signals()])
-trainer.fit(module, data)
-"""
     env = {**os.environ, "SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "42", "SLURM_PROCID": "0",
            "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost", "PATH": os.environ["PATH"]}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    result = plain_trainer_run(tiny_model_dir, tmp_path, '{1: "SIGUSR1", 2: "SIGTERM"}',
+                               plugins="[SLURMEnvironment(auto_requeue=True)]", env=env)
     assert result.returncode == 143, result.stderr[-3000:]
     assert torch.load(tmp_path / "hpc_ckpt_1.ckpt", weights_only=False)["global_step"] == 1
     assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 3

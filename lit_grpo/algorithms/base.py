@@ -17,6 +17,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import lightning as L
 import torch
@@ -28,6 +29,9 @@ from lit_grpo.model.policy import PolicySpec, build_policy, load_tokenizer
 from lit_grpo.model.refusals import constructed
 from lit_grpo.training.strategies import check_strategy
 from lit_grpo.training.guard import NonFiniteGuard
+
+if TYPE_CHECKING:
+    from lit_grpo.generation import Engine
 from lit_grpo.training.preemption import PreemptionCheckpoint
 
 
@@ -68,6 +72,7 @@ class PolicyModule(L.LightningModule):
         self.register_state_dict_post_hook(_keep_trainable)
         self.strict_loading = False
         self.phase_seconds: dict[str, float] = {}
+        self._engine: Engine | None = None  # what samples (objectives that generate), built on first use
 
     # ------------------------------------------------------------------ model
     def setup(self, stage: str) -> None:
@@ -133,14 +138,22 @@ class PolicyModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
-        """Step only when the gradient is finite (see :class:`NonFiniteGuard`)."""
+        """Step only when the gradient is finite (see :class:`NonFiniteGuard`); then tell the sampling
+        engine, if one was built, that the weights may have moved."""
         optimizer_closure()
-        if not self.guard.check(self.trainable_parameters()):
+        if self.guard.check(self.trainable_parameters()):
+            start = time.perf_counter()
+            optimizer.step()
+            self._add_time("optimizer", time.perf_counter() - start)
+        else:
             optimizer.zero_grad(set_to_none=True)
-            return
-        start = time.perf_counter()
-        optimizer.step()
-        self._add_time("optimizer", time.perf_counter() - start)
+        if self._engine is not None:
+            self._engine.weights_changed()
+
+    def teardown(self, stage: str) -> None:
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
 
     # ---------------------------------------------------------------- logging
     def log_reduced(self, values: Mapping[str, float | torch.Tensor], weight: float = 1.0,

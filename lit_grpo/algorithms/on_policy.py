@@ -70,7 +70,6 @@ class OnPolicyModule(PolicyModule):
         if self.generation.backend == "vllm":
             check_policy(self.spec)
         self.val_accuracy = torch.nn.ModuleList([MeanMetric()])  # one per held-out set (data.val_sets())
-        self._engine: Engine | None = None  # built at the first rollout, on the policy's device
 
     # ------------------------------------------------------------------ model
     @property
@@ -84,16 +83,6 @@ class OnPolicyModule(PolicyModule):
         if self._engine is None:
             self._engine = build_engine(self.generation, self)
         return self._engine
-
-    def optimizer_step(self, *args, **kwargs) -> None:
-        super().optimizer_step(*args, **kwargs)
-        if self._engine is not None:
-            self._engine.weights_changed()
-
-    def teardown(self, stage: str) -> None:
-        if self._engine is not None:
-            self._engine.close()
-            self._engine = None
 
     def show_progress(self, description: str, total: int | None = None):
         """A progress bar (decoding steps) for a rollout phase on rank 0, or ``None``."""

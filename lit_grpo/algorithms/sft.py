@@ -22,7 +22,7 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from lit_grpo.algorithms.supervised import SupervisedModule
-from lit_grpo.generation import Engine, GenerationSpec, build_engine
+from lit_grpo.generation import GenerationSpec, build_engine
 from lit_grpo.generation.rollout import SamplingSpec
 from lit_grpo.model.logprob_passes import completion_logprobs
 from lit_grpo.objectives import LossOutput, sft_loss
@@ -57,7 +57,6 @@ class SFTModule(SupervisedModule):
     ) -> None:
         super().__init__(policy, optimizer, scheduler, max_nonfinite_steps)
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
-        self._engine: Engine | None = None
 
     def batch_loss(self, batch: dict) -> LossOutput:
         logprobs, _ = completion_logprobs(self.policy, **{k: batch[k] for k in _SCORED}, temperature=1.0)  # [B, C]
@@ -78,12 +77,3 @@ class SFTModule(SupervisedModule):
         sampling = SamplingSpec(group_size=1, max_new_tokens=self.trainer.datamodule.hparams.val_max_new_tokens)
         return self._engine.generate(prompt_ids, prompt_mask, sampling, greedy=True).texts
 
-    def optimizer_step(self, *args, **kwargs) -> None:
-        super().optimizer_step(*args, **kwargs)
-        if self._engine is not None:
-            self._engine.weights_changed()
-
-    def teardown(self, stage: str) -> None:
-        if self._engine is not None:
-            self._engine.close()
-            self._engine = None
