@@ -44,6 +44,7 @@ _EXPORTS = {
     "PolicySpec": "lit_grpo.model.policy",
     "LoraSpec": "lit_grpo.model.policy",
     "SamplingSpec": "lit_grpo.generation.rollout",
+    "EpisodesSpec": "lit_grpo.data.episodes",
     "GenerationSpec": "lit_grpo.generation",
     "AtomicCheckpointIO": "lit_grpo.training.checkpointing",
     "PlotCallback": "lit_grpo.evaluation.plots",

@@ -36,7 +36,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 import lit_grpo
 from lit_grpo.algorithms.grpo import GRPOModule
-from lit_grpo.cli_checks import check_writable, check_yaml_files, replaced_environments
+from lit_grpo.cli_checks import check_moved_keys, check_writable, check_yaml_files, replaced_environments
 from lit_grpo.training.checkpointing import AtomicCheckpointIO, check_lightning_checkpoint, check_policy
 from lit_grpo.data.grpo import OnPolicyDataModule
 from lit_grpo.training.multiprocess import (
@@ -89,6 +89,7 @@ class PolicyCli(LightningCLI):
         argv = sys.argv[1:] if args is None else args
         if isinstance(argv, list):
             check_yaml_files(argv)
+            check_moved_keys(argv)
             argv = replaced_environments(argv)
         super().parse_arguments(parser, argv)
         self._check_strategy()

@@ -2,7 +2,7 @@
 
 Before parsing: every YAML file it names is read, so a broken one is reported by
 file and line (:func:`check_yaml_files`), and an option that replaces
-``data.environment`` whole is made to parse (:func:`replaced_environments`).
+``data.episodes.environment`` whole is made to parse (:func:`replaced_environments`).
 Before the first rollout: every output folder is checked for writing
 (:func:`check_writable`).
 """
@@ -18,21 +18,52 @@ from lit_grpo.data.sources import check_utf8
 
 
 def replaced_environments(argv: list[str]) -> list[str]:
-    """``argv`` with ``--data.environment=null`` before each option that gives ``data.environment``
-    a whole new value or class (``--data.environment=JSON``, ``--data.environment.class_path=X``).
+    """``argv`` with ``--data.episodes.environment=null`` before each option that gives ``data.episodes.environment``
+    a whole new value or class (``--data.episodes.environment=JSON``, ``--data.episodes.environment.class_path=X``).
 
-    ``data.environment`` is a dict-typed field, and jsonargparse crashes (``'dict' object has no
+    ``data.episodes.environment`` is a dict-typed field, and jsonargparse crashes (``'dict' object has no
     attribute 'init_args'``) when such an option replaces the environment a config file set.
     Clearing it first gives the option's own value: a new class starts from its defaults, as
-    jsonargparse treats a changed ``class_path``; ``--data.environment.init_args.NAME=VALUE``
+    jsonargparse treats a changed ``class_path``; ``--data.episodes.environment.init_args.NAME=VALUE``
     still overrides one argument of the config's environment.
     """
     out = []
     for token in argv:
-        if token.split("=", 1)[0] in ("--data.environment", "--data.environment.class_path"):
-            out.append("--data.environment=null")
+        if token.split("=", 1)[0] in ("--data.episodes.environment", "--data.episodes.environment.class_path"):
+            out.append("--data.episodes.environment=null")
         out.append(token)
     return out
+
+
+# Keys of the data section that moved into a group: old -> new.
+MOVED_KEYS = {f"data.{name}": f"data.episodes.{name}" for name in (
+    "tools", "environment", "max_turns", "tool_timeout", "max_episode_tokens", "turn_prefix",
+    "environment_reward_weight")}
+
+
+def check_moved_keys(argv: list[str]) -> None:
+    """Refuse a key of :data:`MOVED_KEYS`, on the command line or in a YAML file it names.
+
+    Raises:
+        ValueError: Naming the old key and the new one.
+    """
+    found = []
+    for token in argv:
+        if token.startswith("--"):
+            found.append(token[2:].split("=", 1)[0])
+        path = Path(token.split("=", 1)[1] if token.startswith("-") and "=" in token else token)
+        if path.suffix in (".yaml", ".yml") and path.is_file():
+            config = yaml.safe_load(path.read_text(encoding="utf-8"))
+            sections = [config, (config or {}).get("fit")] if isinstance(config, dict) else []
+            for section in sections:
+                data = section.get("data") if isinstance(section, dict) else None
+                if isinstance(data, dict):
+                    found += [f"data.{key}" for key in data]
+    for key in found:
+        old = next((old for old in MOVED_KEYS if key == old or key.startswith(old + ".")), None)
+        if old is not None:
+            raise ValueError(f"{key} is now {MOVED_KEYS[old]}{key[len(old):]} (the episode settings are one "
+                             "group, data.episodes); move it there.")
 
 
 def check_yaml_files(argv: list[str]) -> None:

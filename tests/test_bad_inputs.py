@@ -24,6 +24,7 @@ import torch
 from lit_grpo.training import checkpointing
 from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.training.checkpointing import AtomicCheckpointIO, atomic_torch_save, check_checkpoint
+from lit_grpo.data.episodes import EpisodesSpec
 from lit_grpo.data.grpo import OnPolicyDataModule
 from lit_grpo.data.sources import load_rows
 from lit_grpo.generation import GenerationSpec
@@ -155,12 +156,14 @@ def test_prompt_and_completion_longer_than_the_model_context(module):
 
 def test_prompt_and_episode_longer_than_the_model_context(module):
     # Few model tokens, but an episode (the tools' tokens too) may run to 500 tokens after the prompt.
-    episodes = dict(tools=["lit_grpo.environments.builtin.calculator"], max_prompt_length=None)
+    def episodes(max_episode_tokens):
+        return dict(episodes=EpisodesSpec(tools=["lit_grpo.environments.builtin.calculator"],
+                                          max_episode_tokens=max_episode_tokens), max_prompt_length=None)
     with pytest.raises(ValueError, match=r"split 'train' row 4: the prompt has \d+ tokens \(chat template included\), "
-                                         r"\d+ with data.max_episode_tokens=500, more than the model's context of 512"
-                                         r".*lower data.max_episode_tokens, or set data.max_prompt_length=12 with"):
-        set_up(data(max_episode_tokens=500, **episodes), module)
-    set_up(data(max_episode_tokens=40, **episodes), module)  # prompt + 40 fit
+                                         r"\d+ with data.episodes.max_episode_tokens=500, more than the model's context of 512"
+                                         r".*lower data.episodes.max_episode_tokens, or set data.max_prompt_length=12 with"):
+        set_up(data(**episodes(500)), module)
+    set_up(data(**episodes(40)), module)  # prompt + 40 fit
 
 
 def test_prompt_longer_than_max_prompt_length_is_refused(module):
@@ -583,7 +586,7 @@ def test_cli_reward_that_raises_inside_the_rollout_is_the_last_line(fit):
 
 
 def test_cli_environment_reward_that_is_none_names_the_class_and_get_reward(fit):
-    code, last = fit("--data.source=guess_number", '--data.environment={"class_path": "test_bad_inputs.NoReward"}',
+    code, last = fit("--data.source=guess_number", '--data.episodes.environment={"class_path": "test_bad_inputs.NoReward"}',
                      "--data.rewards=[]", "--data.max_prompt_length=400")
     assert code == 2
     assert last.startswith("lit-grpo: test_bad_inputs.NoReward.get_reward() returned None (NoneType) on row 0; "

@@ -91,3 +91,16 @@ def test_strategy_class_name_as_a_string_names_the_class_path_form(fit):  # noqa
                     "string as a registered strategy name (ddp, fsdp, ...); pass the class: "
                     "--trainer.strategy.class_path ModelParallelStrategy (in YAML: strategy: "
                     "{class_path: ModelParallelStrategy}).")
+
+
+def test_an_episode_key_of_the_old_flat_layout_names_its_new_place(fit, tmp_path):  # noqa: F811
+    code, last = fit('--data.tools=["lit_grpo.environments.builtin.calculator"]')
+    assert code == 2
+    assert last == ("lit-grpo: data.tools is now data.episodes.tools (the episode settings are one group, "
+                    "data.episodes); move it there.")
+    config = tmp_path / "old.yaml"
+    config.write_text("data:\n  max_turns: 2\n  environment:\n    class_path: x.Y\n")
+    code, last = fit(f"--config={config}")
+    assert code == 2 and last.startswith("lit-grpo: data.max_turns is now data.episodes.max_turns ")
+    code, last = fit("--data.environment.init_args.max_guesses=3")
+    assert code == 2 and "is now data.episodes.environment.init_args.max_guesses " in last

@@ -111,7 +111,7 @@ def test_schema_of_a_typed_tool_is_transformers_json_schema():
 def test_from_paths_errors_name_the_field_and_the_path(path, expected):
     with pytest.raises(ValueError) as error:
         Toolbox.from_paths([f"{__name__}.add", path])
-    assert "data.tools[1]" in str(error.value)
+    assert "data.episodes.tools[1]" in str(error.value)
     assert expected in str(error.value)
     assert path.rsplit(".", 1)[-1] in str(error.value)
 
@@ -119,7 +119,7 @@ def test_from_paths_errors_name_the_field_and_the_path(path, expected):
 def test_from_paths_imports_in_order_and_refuses_a_name_twice():
     toolbox = Toolbox.from_paths(["lit_grpo.environments.builtin.calculator", f"{__name__}.add"])
     assert toolbox.names == ["calculator", "add"]
-    with pytest.raises(ValueError, match=r"data.tools\[1\]: a second tool named 'add'"):
+    with pytest.raises(ValueError, match=r"data.episodes.tools\[1\]: a second tool named 'add'"):
         Toolbox.from_paths([f"{__name__}.add", f"{__name__}.add"])
 
 
@@ -197,8 +197,8 @@ def test_a_hung_episode_does_not_hold_up_the_others():
 
 
 def test_timeout_must_be_positive():
-    with pytest.raises(ValueError, match="data.tools: tool timeout=0; expected a number of seconds > 0"):
-        Toolbox([add], timeout=0, field="data.tools")
+    with pytest.raises(ValueError, match="data.episodes.tools: tool timeout=0; expected a number of seconds > 0"):
+        Toolbox([add], timeout=0, field="data.episodes.tools")
 
 
 # --------------------------------------------------------------------------- Hermes parsing

@@ -244,7 +244,7 @@ def test_factory_finds_tools_and_builds_fresh_instances():
 
 
 @pytest.mark.parametrize("class_path, init_args, message", [
-    ("no_such_package_xyz.Env", None, "data.environment.class_path='no_such_package_xyz.Env': cannot import"),
+    ("no_such_package_xyz.Env", None, "data.episodes.environment.class_path='no_such_package_xyz.Env': cannot import"),
     ("lit_grpo.environments.builtin.calculator", None, "is a function, not a class"),
     (f"{__name__}.NoReset", None, "NoReset has no reset(self, **row) method"),
     (f"{__name__}.NoTools", None, "NoTools has no tool methods"),
@@ -256,7 +256,7 @@ def test_factory_setup_errors(class_path, init_args, message):
     with pytest.raises(ValueError) as error:
         EnvironmentFactory(class_path, init_args)
     assert message in str(error.value)
-    assert str(error.value).startswith("data.environment")
+    assert str(error.value).startswith("data.episodes.environment")
 
 
 def test_factory_check_names_the_class_the_row_and_the_error():
@@ -277,14 +277,14 @@ GUESS = "lit_grpo.environments.builtin.GuessNumber"
 
 
 @pytest.mark.parametrize("options, init_args", [
-    # jsonargparse files --data.environment.init_args.max_guesses=3 as environment["max_guesses"]
+    # jsonargparse files --data.episodes.environment.init_args.max_guesses=3 as environment["max_guesses"]
     # (the field is a dict); it was silently ignored, the config's 4 kept.
-    (["--data.environment.init_args.max_guesses=3"], {"max_guesses": 3, "show_interval": True}),
+    (["--data.episodes.environment.init_args.max_guesses=3"], {"max_guesses": 3, "show_interval": True}),
     # A whole new value or class over the config's crashed inside jsonargparse ('dict' object has
     # no attribute 'init_args'); it now replaces the config's environment.
-    ([f'--data.environment={{"class_path": "{GUESS}", "init_args": {{"max_guesses": 3}}}}'], {"max_guesses": 3}),
-    (["--data.environment", f'{{"class_path": "{GUESS}", "init_args": {{"max_guesses": 3}}}}'], {"max_guesses": 3}),
-    ([f"--data.environment.class_path={GUESS}", "--data.environment.init_args.max_guesses=3"], {"max_guesses": 3}),
+    ([f'--data.episodes.environment={{"class_path": "{GUESS}", "init_args": {{"max_guesses": 3}}}}'], {"max_guesses": 3}),
+    (["--data.episodes.environment", f'{{"class_path": "{GUESS}", "init_args": {{"max_guesses": 3}}}}'], {"max_guesses": 3}),
+    ([f"--data.episodes.environment.class_path={GUESS}", "--data.episodes.environment.init_args.max_guesses=3"], {"max_guesses": 3}),
 ])
 def test_the_environment_set_on_the_command_line_reaches_the_run(capsys, options, init_args):
     from pathlib import Path
@@ -292,13 +292,13 @@ def test_the_environment_set_on_the_command_line_reaches_the_run(capsys, options
     import yaml
 
     from lit_grpo.cli import main
-    from lit_grpo.data.episodes import EpisodeSetup
+    from lit_grpo.data.episodes import EpisodeSetup, EpisodesSpec
 
     config = Path(__file__).parent.parent / "configs" / "guess_number.yaml"
     with pytest.raises(SystemExit):
         main(["fit", "--config", str(config), *options, "--print_config"])
-    environment = yaml.safe_load(capsys.readouterr().out)["data"]["environment"]
-    setup = EpisodeSetup(None, environment, max_turns=5, tool_timeout=10.0, max_episode_tokens=240)
+    environment = yaml.safe_load(capsys.readouterr().out)["data"]["episodes"]["environment"]
+    setup = EpisodeSetup(EpisodesSpec(environment=environment, max_turns=5), max_episode_tokens=240)
     assert setup.factory.init_args == init_args
     environment, rules, _ = setup.factory.new({"secret": 7})
     assert environment.max_guesses == 3 and "3 guesses" in rules

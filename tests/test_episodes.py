@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_grpo.data.buffer import _trim
 from lit_grpo.environments import ToolCall, ToolResult, Toolbox
-from lit_grpo.generation.episodes import EpisodeSpec
+from lit_grpo.generation.episodes import EpisodePlan
 from lit_grpo.generation.rollout import SamplingSpec, encode_prompts, generate
 from lit_grpo.model.logprob_passes import completion_logprobs
 from lit_grpo.objectives import grpo_loss
@@ -58,7 +58,7 @@ def prompts(tokenizer):
 
 
 def spec(fmt, rows, max_turns=3, cap=40):
-    return EpisodeSpec([Toolbox([echo])] * rows, fmt, max_turns, cap)
+    return EpisodePlan([Toolbox([echo])] * rows, fmt, max_turns, cap)
 
 
 def lora(model):
@@ -156,7 +156,7 @@ def test_an_environment_that_is_done_ends_its_episode_after_that_turn(tiny):
 
     def play(ends: bool):
         games = [Game() for _ in range(2)]
-        episodes = EpisodeSpec([Toolbox([game.echo]) for game in games], fmt, max_turns=3, max_episode_tokens=40,
+        episodes = EpisodePlan([Toolbox([game.echo]) for game in games], fmt, max_turns=3, max_episode_tokens=40,
                                environments=games if ends else [])
         return generate(model, tokenizer, ids, mask, SamplingSpec(max_new_tokens=16), greedy=True,
                         episodes=episodes)
@@ -178,7 +178,7 @@ def test_a_turn_prefix_follows_each_tool_result_read_by_the_policy_and_never_tra
     policy = lora(model).eval()
     ids, mask = prompts(tokenizer)
     fmt = Scripted(" ")  # about half the random model's tokens hold a space: most turns call
-    episodes = EpisodeSpec([Toolbox([echo])] * 2, fmt, max_turns=3, max_episode_tokens=90, turn_prefix=TURN_PREFIX)
+    episodes = EpisodePlan([Toolbox([echo])] * 2, fmt, max_turns=3, max_episode_tokens=90, turn_prefix=TURN_PREFIX)
     episode = generate(policy, tokenizer, ids, mask, SamplingSpec(max_new_tokens=24), greedy=True, episodes=episodes)
     record = episode.episodes[0]
     assert record.tool_calls >= 2, record.tool_calls  # at least two later turns

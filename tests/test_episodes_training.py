@@ -17,6 +17,7 @@ from test_episodes import Scripted
 
 from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.algorithms.ppo import PPOModule
+from lit_grpo.data.episodes import EpisodesSpec
 from lit_grpo.data.grpo import OnPolicyDataModule
 from lit_grpo.environments import ToolCall
 from lit_grpo.generation.rollout import SamplingSpec
@@ -41,6 +42,8 @@ def make(tiny_model_dir, fmt=None, module_class=GRPOModule, module_args=None, **
     settings = dict(prompts_per_epoch=2, batch_size=4, val_size=4, train_size=40, val_batch_size=4,
                     sampling=SamplingSpec(group_size=4, max_new_tokens=8), rewards=[answer_length])
     settings.update(data)
+    episode_keys = [key for key in settings if key in EpisodesSpec.__dataclass_fields__]
+    settings["episodes"] = EpisodesSpec(**{key: settings.pop(key) for key in episode_keys})
     datamodule = OnPolicyDataModule(**settings)
     if fmt is not None:
         datamodule.episodes.format = fmt
@@ -152,9 +155,9 @@ def test_an_environment_per_episode_owns_the_reward_and_its_reset_joins_the_prom
     turns = [m for sample in data.last_result.samples for m in sample[3] if m["role"] == "tool"]
     assert turns and all(m["content"].startswith(("higher", "lower", "correct", "No guesses")) for m in turns)
     later = [m for sample in data.last_result.samples for before, m in zip(sample[3], sample[3][1:])
-             if before["role"] == "tool"]  # data.turn_prefix opens every turn after a tool result
+             if before["role"] == "tool"]  # data.episodes.turn_prefix opens every turn after a tool result
     assert later and all(m["role"] == "assistant" and m["content"].startswith("guess(") for m in later)
-    with pytest.raises(ValueError, match=r"data.turn_prefix='guess\(' without data.tools or data.environment"):
-        OnPolicyDataModule(turn_prefix="guess(")
-    with pytest.raises(ValueError, match="data.rewards is empty and data.environment has no get_reward"):
-        OnPolicyDataModule(tools=[CALCULATOR], rewards=[])
+    with pytest.raises(ValueError, match=r"data.episodes.turn_prefix='guess\(' without data.episodes.tools or data.episodes.environment"):
+        EpisodesSpec(turn_prefix="guess(")
+    with pytest.raises(ValueError, match="data.rewards is empty and data.episodes.environment has no get_reward"):
+        OnPolicyDataModule(episodes=EpisodesSpec(tools=[CALCULATOR]), rewards=[])

@@ -61,7 +61,7 @@ def test_pass_k_above_samples_is_refused(tiny_model_dir):
 def test_eval_runs_the_episodes_and_reports_tool_use(tiny_model_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.syspath_prepend(__import__("os").path.dirname(__file__))
     result = main(eval_args(tiny_model_dir, "--samples=2", "--pass_k=[1]",
-                            '--data.tools=["lit_grpo.environments.builtin.calculator"]',
+                            '--data.episodes.tools=["lit_grpo.environments.builtin.calculator"]',
                             "--data.max_prompt_length=400"))
     assert result["turns_mean"] == 1.0 and result["tool_calls"] == 0.0  # a random model never calls
     assert "tool_calls" in capsys.readouterr().out.splitlines()[0]
@@ -87,7 +87,7 @@ class SecretScore:
 
 def test_eval_reports_what_the_environment_scored(tiny_model_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.syspath_prepend(__import__("os").path.dirname(__file__))
-    result = main(eval_args(tiny_model_dir, "--data.source=guess_number", '--data.environment={"class_path": '
+    result = main(eval_args(tiny_model_dir, "--data.source=guess_number", '--data.episodes.environment={"class_path": '
                             '"test_eval.SecretScore"}', "--data.rewards=[]", "--data.max_prompt_length=400",
                             f"--transcripts={tmp_path / 'games.jsonl'}"))
     rows = load_rows("guess_number", "train", None, 0, 12)[:4]  # the val rows
@@ -118,7 +118,7 @@ class ShapedSecret(SecretScore):
 
 def test_env_success_reads_the_environments_solved_not_its_shaped_reward(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(__import__("os").path.dirname(__file__))
-    result = main(eval_args(tiny_model_dir, "--data.source=guess_number", '--data.environment={"class_path": '
+    result = main(eval_args(tiny_model_dir, "--data.source=guess_number", '--data.episodes.environment={"class_path": '
                             '"test_eval.ShapedSecret"}', "--data.rewards=[]", "--data.max_prompt_length=400"))
     secrets = [row["secret"] for row in load_rows("guess_number", "train", None, 0, 12)[:4]]
     assert 0 < sum(s > 5 for s in secrets) < 4  # every reward is > 0, yet not every game is solved

@@ -127,7 +127,7 @@ def _dataset_run(kind: str, model_dir: str, root: Path, ckpt_path: Path | None =
                         callbacks=[checkpoints] if ckpt_path is None else [])
     trainer.fit(module, data, ckpt_path=ckpt_path)
     weights = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    return weights, dict(data.stage_ends)
+    return weights, dict(data.curriculum.ends) if data.curriculum else {}
 
 
 @pytest.mark.parametrize("kind", ["sft", "rm", "dpo", "rm-until"])

@@ -223,7 +223,7 @@ def test_vllm_greedy_episodes_equal_the_native_engines(tmp_path, model_dir):
     from test_episodes import Scripted, echo
 
     from lit_grpo.environments import Toolbox
-    from lit_grpo.generation.episodes import EpisodeSpec
+    from lit_grpo.generation.episodes import EpisodePlan
 
     module, data = make(model_dir)
     trainer(tmp_path, epochs=1).fit(module, data)  # attaches both, loads the policy, trains a step
@@ -231,7 +231,7 @@ def test_vllm_greedy_episodes_equal_the_native_engines(tmp_path, model_dir):
     sampling = SamplingSpec(max_new_tokens=16)
     first = NativeEngine(GenerationSpec(), module).generate(ids, mask, sampling, greedy=True)
     fmt = Scripted(module.tokenizer.decode(first.completion_ids[0, 2:3]))  # a text row 0 writes early
-    spec = EpisodeSpec([Toolbox([echo])] * 4, fmt, max_turns=2, max_episode_tokens=40)
+    spec = EpisodePlan([Toolbox([echo])] * 4, fmt, max_turns=2, max_episode_tokens=40)
     vllm = module.engine.generate(ids, mask, sampling, greedy=True, episodes=spec)
     native = NativeEngine(GenerationSpec(), module).generate(ids, mask, sampling, greedy=True, episodes=spec)
     assert vllm.episodes[0].tool_calls == 1

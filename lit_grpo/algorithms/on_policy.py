@@ -140,7 +140,7 @@ class OnPolicyModule(PolicyModule):
         self.log_reduced({"train/loss": loss}, weight=rows, prog_bar=True, on_step=True)
 
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
-        self.trainer.datamodule.begin_micro_batch(batch["micro_batch"])
+        self.trainer.datamodule.begin_batch(batch["micro_batch"])
 
     def on_after_backward(self) -> None:
         self._add_time("policy_backward", time.perf_counter() - self._backward_start)
@@ -172,7 +172,7 @@ class OnPolicyModule(PolicyModule):
     def setup(self, stage: str) -> None:
         super().setup(stage)
         if self.EPISODES_REFUSED and getattr(self.trainer.datamodule, "episodes", None) is not None:
-            raise ValueError(f"data.tools / data.environment with {type(self).__name__}: {self.EPISODES_REFUSED}")
+            raise ValueError(f"data.episodes.tools / data.episodes.environment with {type(self).__name__}: {self.EPISODES_REFUSED}")
         sets = len(self.trainer.datamodule.val_sets()) if self.trainer.datamodule is not None else 1
         self.val_accuracy.extend(MeanMetric() for _ in range(sets - len(self.val_accuracy)))
 
@@ -227,7 +227,7 @@ class OnPolicyModule(PolicyModule):
 
     def answer(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, episodes=None) -> list[str]:
         """Greedy completions of left-padded prompts (what validation scores); with ``episodes``
-        (an :class:`~lit_grpo.generation.episodes.EpisodeSpec`) greedy episodes' final answers."""
+        (an :class:`~lit_grpo.generation.episodes.EpisodePlan`) greedy episodes' final answers."""
         return self.engine.generate(prompt_ids, prompt_mask, self.trainer.datamodule.sampling, greedy=True,
                                     episodes=episodes).texts
 

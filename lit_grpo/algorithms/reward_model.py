@@ -139,9 +139,10 @@ class RewardModelModule(SupervisedModule):
 
     def on_fit_start(self) -> None:
         stages = self.hparams.suffix_stages
-        curriculum = getattr(self.trainer.datamodule, "stages", None)
-        if stages is not None and (curriculum is None or max(stages, default=0) >= len(curriculum)):
-            have = f"{len(curriculum)} stages" if curriculum else "no data.curriculum"
+        curriculum = getattr(self.trainer.datamodule, "curriculum", None)
+        count = len(curriculum.stages) if curriculum is not None else 0
+        if stages is not None and max(stages, default=0) >= count:
+            have = f"{count} stages" if count else "no data.curriculum"
             raise ValueError(f"model.suffix_stages={stages!r} names curriculum stages, and the data have {have}.")
         super().on_fit_start()
 

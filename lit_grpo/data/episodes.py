@@ -1,8 +1,8 @@
 """The DataModule's side of episodes: tools and environments from YAML, prompts that describe
 them, one environment per episode, and rewards that read the episode.
 
-``data.tools`` (dotted paths of typed, documented functions) and
-``data.environment`` (``class_path`` + ``init_args``, TRL's
+``data.episodes.tools`` (dotted paths of typed, documented functions) and
+``data.episodes.environment`` (``class_path`` + ``init_args``, TRL's
 ``environment_factory`` contract) turn every completion into an episode
 (:mod:`lit_grpo.generation.episodes`). The tools are described to the model
 in the chat template's own way (:func:`lit_grpo.environments.call_format`);
@@ -11,25 +11,72 @@ conversational convention: a reward function gets ``completions`` as each
 episode's messages (assistant and tool turns); lit_grpo's built-in rewards,
 written for text, get the last assistant turn's text (the final answer). An
 environment's ``get_reward()`` is a reward of its own, ``environment``,
-weighted by ``data.environment_reward_weight``.
+weighted by ``data.episodes.environment_reward_weight``.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from lit_grpo.environments import Toolbox, TemplateFormat, call_format
 from lit_grpo.environments.factory import EnvironmentFactory
-from lit_grpo.generation.episodes import EpisodeSpec
+from lit_grpo.generation.episodes import EpisodePlan
 from lit_grpo.generation.rollout import encode_prompts
 from lit_grpo.rewards import BUILTINS, FromCallable, Reward, RewardCombiner
 
 # The column an environment's get_reward() reaches the `environment` reward in.
 ENVIRONMENT_REWARD = "environment_reward"
+
+
+@dataclass
+class EpisodesSpec:
+    """Tools and a multi-turn environment: with either, every completion becomes an episode.
+
+    Args:
+        tools: Tools the model may call, as dotted paths of typed functions
+            with Google-style docstrings (``lit_grpo.environments.builtin.calculator``).
+        environment: A multi-turn environment, ``{class_path, init_args}``: one
+            instance per episode, its ``reset(**row)`` text added to the prompt,
+            its methods the episode's tools, its ``get_reward()`` a reward. One
+            init arg can be set from the command line:
+            ``--data.episodes.environment.init_args.max_guesses=3``.
+        max_turns: Most assistant turns per episode.
+        tool_timeout: Seconds one tool call may run before its result is a timeout error.
+        max_episode_tokens: Most tokens after the prompt, the model's and the
+            tools' (``sampling.max_new_tokens`` counts the model's only);
+            ``None``: twice ``sampling.max_new_tokens``.
+        turn_prefix: Text every assistant turn after a tool result starts
+            with, as ``data.completion_prefix`` is for the first (for example the
+            call's first words, so that later turns call too): appended to the
+            tool results as tokens the policy reads and is not trained on.
+        environment_reward_weight: Weight of the environment's ``get_reward()``.
+    """
+
+    tools: list[str] | None = None
+    environment: dict[str, Any] | None = None
+    max_turns: int = 3
+    tool_timeout: float = 10.0
+    max_episode_tokens: int | None = None
+    turn_prefix: str = ""
+    environment_reward_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1:
+            raise ValueError(f"data.episodes.max_turns={self.max_turns}; expected >= 1.")
+        if self.turn_prefix and not self.active:
+            raise ValueError(f"data.episodes.turn_prefix={self.turn_prefix!r} without data.episodes.tools or "
+                             "data.episodes.environment; expected episodes (its text starts each turn after a "
+                             "tool result).")
+
+    @property
+    def active(self) -> bool:
+        """Whether completions are episodes (tools or an environment are set)."""
+        return bool(self.tools) or self.environment is not None
 
 
 class EnvironmentReward(Reward):
@@ -68,29 +115,27 @@ def _reads_text(function) -> bool:
 
 
 class EpisodeSetup:
-    """Tools and/or an environment, built (and checked) from the DataModule's arguments.
+    """Tools and/or an environment, built (and checked) from ``data.episodes``.
 
     Args:
-        tools: Dotted paths of tool functions (``data.tools``).
-        environment: ``{"class_path": ..., "init_args": {...}}`` (``data.environment``).
-        max_turns: Most assistant turns per episode.
-        tool_timeout: Seconds one tool call may run.
-        max_episode_tokens: Most tokens after the prompt, tools' included.
+        spec: The :class:`EpisodesSpec`.
+        max_episode_tokens: Most tokens after the prompt, tools' included (the spec's, or its default).
     """
 
-    def __init__(self, tools: list[str] | None, environment: dict | None, max_turns: int, tool_timeout: float,
-                 max_episode_tokens: int) -> None:
-        self.toolbox = Toolbox.from_paths(tools, timeout=tool_timeout) if tools else None
+    def __init__(self, spec: EpisodesSpec, max_episode_tokens: int) -> None:
+        self.toolbox = Toolbox.from_paths(spec.tools, timeout=spec.tool_timeout) if spec.tools else None
         self.factory = None
+        environment = spec.environment
         if environment is not None:
             if not isinstance(environment, dict) or "class_path" not in environment:
-                raise ValueError(f"data.environment={environment!r}; expected {{class_path: ..., init_args: {{...}}}}.")
-            # jsonargparse files --data.environment.init_args.NAME=VALUE as environment[NAME] (a dict-typed
-            # field): such keys are init args set on the command line, over the config's.
+                raise ValueError(f"data.episodes.environment={environment!r}; expected "
+                                 "{class_path: ..., init_args: {...}}.")
+            # jsonargparse files --data.episodes.environment.init_args.NAME=VALUE as environment[NAME] (a
+            # dict-typed field): such keys are init args set on the command line, over the config's.
             given = {name: value for name, value in environment.items() if name not in ("class_path", "init_args")}
             self.factory = EnvironmentFactory(environment["class_path"], {**(environment.get("init_args") or {}),
-                                                                          **given}, timeout=tool_timeout)
-        self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
+                                                                          **given}, timeout=spec.tool_timeout)
+        self.max_turns, self.max_episode_tokens, self.turn_prefix = spec.max_turns, max_episode_tokens, spec.turn_prefix
         self.format = None  # the tokenizer's call format, learnt at first use
 
     def rewards(self, rewards: list, environment_weight: float) -> RewardCombiner:
@@ -104,7 +149,7 @@ class EpisodeSetup:
         if self.factory is not None and self.factory.has_reward:
             entries.append(EnvironmentReward(environment_weight))
         if not entries:
-            raise ValueError("data.rewards is empty and data.environment has no get_reward(); give the episodes "
+            raise ValueError("data.rewards is empty and data.episodes.environment has no get_reward(); give the episodes "
                              "a reward (a reward function, or an environment that scores them).")
         return RewardCombiner(entries)
 
@@ -128,7 +173,7 @@ class EpisodeSetup:
             started = [self.factory.new(row) for _ in range(repeat)]
             texts = {text for _, text, _ in started}
             if len(texts) > 1:
-                raise ValueError(f"data.environment: {self.factory.class_path}.reset returned different texts for "
+                raise ValueError(f"data.episodes.environment: {self.factory.class_path}.reset returned different texts for "
                                  f"one row ({sorted(map(str, texts))[:2]}); the episodes of a group share their "
                                  "prompt, so reset's text may depend on the row only.")
             environments += [instance for instance, _, _ in started]
@@ -137,8 +182,8 @@ class EpisodeSetup:
         tokenizer, hp = datamodule.trainer.lightning_module.tokenizer, datamodule.hparams
         ids, mask = encode_prompts(tokenizer, self.prompts(datamodule, rows, resets, toolboxes[::repeat]),
                                    hp.max_prompt_length, hp.prompt_overflow)
-        spec = EpisodeSpec(toolboxes, self.call_format(tokenizer), self.max_turns, self.max_episode_tokens,
-                           hp.completion_prefix, hp.turn_prefix, environments if self.factory else [])
+        spec = EpisodePlan(toolboxes, self.call_format(tokenizer), self.max_turns, self.max_episode_tokens,
+                           hp.completion_prefix, self.turn_prefix, environments if self.factory else [])
         return ids, mask, spec, environments
 
     def call_format(self, tokenizer):

@@ -22,12 +22,13 @@ that were still to come.
 from __future__ import annotations
 
 import random
-from typing import Any, Literal
+from typing import Literal
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+from lit_grpo.data.batches import BatchCursor
 from lit_grpo.data.buffer import OnDemand, RolloutBuffer
 from lit_grpo.rewards import Accuracy, Format, Reward, RewardCombiner
 from lit_grpo.generation.rollout import SamplingSpec, encode_prompts
@@ -35,7 +36,7 @@ from lit_grpo.rollout.ahead import Job, SamplingAhead
 from lit_grpo.rollout.producer import RolloutProducer, ScoredRollout
 from lit_grpo.training.distributed import gather_to_rank_zero
 from lit_grpo.training.preemption import Preempted, abortable
-from lit_grpo.data.episodes import EpisodeSetup
+from lit_grpo.data.episodes import EpisodeSetup, EpisodesSpec
 from lit_grpo.data.setup_checks import check_prompt_budget, choose_estimator
 from lit_grpo.data.prompts import chat_prompts, check_prompt_lengths, columns_of
 from lit_grpo.data.sources import check_slices, held_out_slices, load_rows, rename_columns, split_rows
@@ -98,24 +99,8 @@ class OnPolicyDataModule(L.LightningDataModule):
         max_sampling_rounds: Most rollout rounds dynamic sampling may spend
             filling one epoch's buffer.
         seed: Seed of prompt order, task generation and sampling.
-        tools: Tools the model may call, as dotted paths of typed functions
-            with Google-style docstrings (``lit_grpo.environments.builtin.calculator``):
-            every completion becomes an episode (:mod:`lit_grpo.data.episodes`).
-        environment: A multi-turn environment, ``{class_path, init_args}``: one
-            instance per episode, its ``reset(**row)`` text added to the prompt,
-            its methods the episode's tools, its ``get_reward()`` a reward. One
-            init arg can be set from the command line:
-            ``--data.environment.init_args.max_guesses=3``.
-        max_turns: Most assistant turns per episode.
-        tool_timeout: Seconds one tool call may run before its result is a timeout error.
-        max_episode_tokens: Most tokens after the prompt, the model's and the
-            tools' (``sampling.max_new_tokens`` counts the model's only);
-            ``None``: twice ``sampling.max_new_tokens``.
-        turn_prefix: Text every assistant turn after a tool result starts
-            with, as ``completion_prefix`` is for the first (for example the
-            call's first words, so that later turns call too): appended to the
-            tool results as tokens the policy reads and is not trained on.
-        environment_reward_weight: Weight of the environment's ``get_reward()``.
+        episodes: Tools and a multi-turn environment (:class:`~lit_grpo.data.episodes.EpisodesSpec`):
+            with either, every completion is an episode (:mod:`lit_grpo.data.episodes`).
         staleness: How many rollouts sampling may run ahead of training: 0
             (default) samples each epoch's rollout with the current weights; k
             samples epoch n+k's in a background thread, with the weights as
@@ -154,22 +139,16 @@ class OnPolicyDataModule(L.LightningDataModule):
         dynamic_sampling: bool = False,
         max_sampling_rounds: int = 4,
         seed: int = 0,
-        tools: list[str] | None = None,
-        environment: dict[str, Any] | None = None,
-        max_turns: int = 3,
-        tool_timeout: float = 10.0,
-        max_episode_tokens: int | None = None,
-        turn_prefix: str = "",
-        environment_reward_weight: float = 1.0,
+        episodes: EpisodesSpec | None = None,
         staleness: int = 0,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["rewards", "val_reward", "sampling"])
+        self.save_hyperparameters(ignore=["rewards", "val_reward", "sampling", "episodes"])
         self.sampling = sampling or SamplingSpec()
         rewards = rewards if rewards is not None else [Accuracy(), Format()]
         self.val_reward = val_reward or Accuracy()
         for name, value in (("prompts_per_epoch", prompts_per_epoch), ("batch_size", batch_size),
-                            ("num_iterations", num_iterations), ("val_size", val_size), ("max_turns", max_turns)):
+                            ("num_iterations", num_iterations), ("val_size", val_size)):
             if value < 1:
                 raise ValueError(f"data.{name}={value}; expected >= 1.")
         if staleness < 0:
@@ -185,24 +164,23 @@ class OnPolicyDataModule(L.LightningDataModule):
         self.val_rows: list[dict] = []
         self.val_slices: dict[str, list[dict]] = {}  # name -> rows
         self.last_result: ScoredRollout | None = None  # this epoch's rollout
-        self.trained = 0  # its micro-batches trained on so far
+        self.cursor = BatchCursor(seed)  # the epoch's micro-batches started so far; every seed
         self.producer: RolloutProducer | None = None  # built in setup, once the estimator is known
         self.restored: dict | None = None  # a rollout restored from a checkpoint saved inside its epoch
         self.ahead: SamplingAhead | None = None  # data.staleness > 0: the rollouts sampling ahead
         self.pending: list[dict] = []  # rollouts to sample ahead again, restored from a checkpoint
         self.advantage_estimator = advantage_estimator or "grpo"  # resolved against the module in setup
+        self.episodes_spec = episodes or EpisodesSpec()
         self.episodes = None  # tools / an environment: every completion is an episode
-        if tools or environment is not None:
-            cap = max_episode_tokens or 2 * self.sampling.max_new_tokens
+        if self.episodes_spec.active:
+            spec = self.episodes_spec
+            cap = spec.max_episode_tokens or 2 * self.sampling.max_new_tokens
             if cap < self.sampling.max_new_tokens:
-                raise ValueError(f"data.max_episode_tokens={cap} < sampling.max_new_tokens="
+                raise ValueError(f"data.episodes.max_episode_tokens={cap} < sampling.max_new_tokens="
                                  f"{self.sampling.max_new_tokens}; expected a cap on the whole episode.")
-            self.episodes = EpisodeSetup(tools, environment, max_turns, tool_timeout, cap)
-        elif turn_prefix:
-            raise ValueError(f"data.turn_prefix={turn_prefix!r} without data.tools or data.environment; "
-                             "expected episodes (its text starts each turn after a tool result).")
+            self.episodes = EpisodeSetup(spec, cap)
         self.rewards = (RewardCombiner(rewards) if self.episodes is None
-                        else self.episodes.rewards(rewards, environment_reward_weight))
+                        else self.episodes.rewards(rewards, self.episodes_spec.environment_reward_weight))
 
     # ----------------------------------------------------------------- set-up
     def setup(self, stage: str | None = None) -> None:
@@ -338,20 +316,21 @@ class OnPolicyDataModule(L.LightningDataModule):
                     if self.hparams.staleness:
                         result = self._produce_ahead(epoch, rank)
                     else:
-                        torch.manual_seed(self._seed(epoch, rank))  # sampling follows from (seed, epoch, rank)
+                        torch.manual_seed(self.cursor.seed_of(epoch, rank))  # sampling follows from (seed, epoch, rank)
                         result = self._produce(rank)
             except Preempted:  # give the prompts back: the checkpoint is the state before this rollout
                 self.position, self.passes, self.rollout_epoch = before
                 if self.ahead is not None:
                     self.ahead.drop(set(self.ahead.jobs) - launched)
                 raise
-        self.last_result, self.trained = result, start
+        self.last_result = result
+        self.cursor.epoch, self.cursor.trained = epoch, start
         return RolloutBuffer(
             result,
             batch_size=self.hparams.batch_size,
             num_iterations=self.hparams.num_iterations,
             accumulate=trainer.accumulate_grad_batches,
-            generator=torch.Generator().manual_seed(self._seed(epoch, rank)),
+            generator=torch.Generator().manual_seed(self.cursor.seed_of(epoch, rank)),
             token_counts=lambda t: trainer.strategy.reduce(t, reduce_op="sum"),
             every_batch={"temperature": self.sampling.temperature, "max_new_tokens": self.sampling.max_new_tokens,
                          "kl_in_rewards": self.producer.kl_in_rewards, "sampled_ahead": self.hparams.staleness > 0},
@@ -379,11 +358,11 @@ class OnPolicyDataModule(L.LightningDataModule):
             last = min(last, self.trainer.max_epochs - 1)  # nothing past the run's end
         for later in range(epoch, last + 1):
             if later not in self.ahead.jobs:
-                self._launch(later, self._my_prompts(rank), self._seed(later, rank))
+                self._launch(later, self._my_prompts(rank), self.cursor.seed_of(later, rank))
         job, waits = self.ahead.take(epoch)
         # dynamic sampling's further rounds, if any, are sampled now, by the current weights
         return self._produce(rank, first=(job.request, job.rollout, job.version), stats=waits,
-                             generator=torch.Generator().manual_seed(self._seed(epoch, rank, -1)))
+                             generator=torch.Generator().manual_seed(self.cursor.seed_of(epoch, rank, -1)))
 
     def _start_ahead(self) -> None:
         """Start the worker (refusing an engine that cannot sample beside training), and launch again
@@ -402,7 +381,7 @@ class OnPolicyDataModule(L.LightningDataModule):
         self.ahead = SamplingAhead(self.producer.sample, abortable=trainer.world_size == 1)
         rank = trainer.global_rank
         for saved in self.pending:
-            self._launch(saved["epoch"], saved["ranks"][rank], self._seed(saved["epoch"], rank),
+            self._launch(saved["epoch"], saved["ranks"][rank], self.cursor.seed_of(saved["epoch"], rank),
                          adapter=saved["adapter"], version=saved["version"])
         self.pending = []
 
@@ -430,7 +409,7 @@ class OnPolicyDataModule(L.LightningDataModule):
         """The latest rollout's statistics (reward, lengths, timings, ...)."""
         return self.last_result.stats if self.last_result else {}
 
-    def begin_micro_batch(self, index: int) -> None:
+    def begin_batch(self, index: int) -> None:
         """Micro-batch ``index`` of the epoch's rollout starts training.
 
         Seeds the global RNG (dropout) from ``(seed, epoch, rank, index)``, so
@@ -440,11 +419,7 @@ class OnPolicyDataModule(L.LightningDataModule):
         use the buffer's own count: after some resumes Lightning's batch index
         restarts at 0 inside an epoch.
         """
-        torch.manual_seed(self._seed(self.rollout_epoch, self.trainer.global_rank, index))
-        self.trained = index + 1
-
-    def _seed(self, *parts: int) -> int:
-        return hash((self.hparams.seed, *parts)) % 2**31
+        self.cursor.begin(self.trainer.global_rank, index)
 
     def val_dataloader(self) -> DataLoader | list[DataLoader]:
         loaders = [DataLoader(rows, batch_size=self.hparams.val_batch_size, collate_fn=self.collate_val)
@@ -453,7 +428,7 @@ class OnPolicyDataModule(L.LightningDataModule):
 
     def collate_val(self, rows: list[dict]) -> dict:
         """Tokenize validation rows: ``{prompt_ids, prompt_mask, rows}`` (and ``episodes``, their
-        :class:`~lit_grpo.generation.episodes.EpisodeSpec`, and ``environments``, each episode's
+        :class:`~lit_grpo.generation.episodes.EpisodePlan`, and ``environments``, each episode's
         environment or ``None``, when tools are configured)."""
         if self.episodes is not None:
             prompt_ids, prompt_mask, spec, environments = self.episodes.start(self, rows, 1)
@@ -481,8 +456,8 @@ class OnPolicyDataModule(L.LightningDataModule):
         """
         state = {"position": self.position, "passes": self.passes, "rollout_epoch": self.rollout_epoch}
         trainer = self.trainer
-        if self.last_result is not None and 0 < self.trained < self.micro_batches:
-            state["rollout"] = {"epoch": self.rollout_epoch, "trained": self.trained,
+        if self.last_result is not None and 0 < self.cursor.trained < self.micro_batches:
+            state["rollout"] = {"epoch": self.rollout_epoch, "trained": self.cursor.trained,
                                 "ranks": gather_to_rank_zero(vars(self.last_result), trainer.world_size)}
         if self.hparams.staleness:  # the rollouts sampling ahead: their prompts and frozen weights
             jobs = sorted(self.ahead.jobs.values(), key=lambda job: job.epoch) if self.ahead else []

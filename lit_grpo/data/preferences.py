@@ -23,7 +23,8 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from lit_grpo.data.batches import ResumableBatches, Stage
+from lit_grpo.data.batches import ResumableBatches
+from lit_grpo.data.curriculum import Curriculum, Stage
 from lit_grpo.data.prompts import chat_prompts
 from lit_grpo.data.sources import curriculum_rows, load_rows, rename_columns, split_rows
 from lit_grpo.generation.rollout import encode_prompts
@@ -104,7 +105,7 @@ class PreferenceDataModule(ResumableBatches, L.LightningDataModule):
             raise ValueError(f"data.prompt_template={prompt_template!r} must contain '{{prompt}}'.")
         self.train_rows: list[dict] = []
         self.val_rows: list[dict] = []
-        self.stages: list[Stage] | None = None  # consecutive blocks of train_rows, trained in order
+        self.curriculum: Curriculum | None = None  # stages: consecutive blocks of train_rows, trained in order
 
     # ----------------------------------------------------------------- set-up
     def setup(self, stage: str | None = None) -> None:
@@ -122,8 +123,8 @@ class PreferenceDataModule(ResumableBatches, L.LightningDataModule):
                                           self.val_rows)
         blocks = [self._checked(rows, "train") for rows in blocks]
         self.train_rows = [row for rows in blocks for row in rows]
-        self.stages = [Stage(len(rows), budget, stage.get("until"))
-                       for rows, budget, stage in zip(blocks, budgets, hp.curriculum)]
+        self.curriculum = Curriculum([Stage(len(rows), budget, stage.get("until"))
+                                      for rows, budget, stage in zip(blocks, budgets, hp.curriculum)])
 
     def _load(self, split: str, size: int) -> list[dict]:
         hp = self.hparams
@@ -153,7 +154,7 @@ class PreferenceDataModule(ResumableBatches, L.LightningDataModule):
 
     # ---------------------------------------------------------------- loaders
     def train_dataloader(self) -> DataLoader:
-        return self.resumable_loader(self.train_rows, self.hparams.batch_size, self.collate, self.stages)
+        return self.resumable_loader(self.train_rows, self.hparams.batch_size, self.collate)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_rows, batch_size=self.hparams.val_batch_size, collate_fn=self.collate)

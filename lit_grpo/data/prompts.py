@@ -33,7 +33,7 @@ def check_prompt_lengths(data) -> None:
     (or a tokenizer without a chat template) fails before any sampling, not in the
     epoch that first draws it. Too long is longer than max_prompt_length, or than
     the model's context less what may follow the prompt (sampling.max_new_tokens,
-    or with tools data.max_episode_tokens, the tools' tokens included): past its
+    or with tools data.episodes.max_episode_tokens, the tools' tokens included): past its
     context a model samples for minutes, then garbage. (``val_slices`` are
     built-in tasks' short questions, of the training prompts' form.)"""
     from lit_grpo.model.policy import PolicySpec, context_length
@@ -45,7 +45,7 @@ def check_prompt_lengths(data) -> None:
     context = context_length(spec) if isinstance(spec, PolicySpec) else None
     after, field = data.sampling.max_new_tokens, "sampling.max_new_tokens"
     if data.episodes is not None:  # an episode's tokens after the prompt, the tools' included
-        after, field = data.episodes.max_episode_tokens, "data.max_episode_tokens"
+        after, field = data.episodes.max_episode_tokens, "data.episodes.max_episode_tokens"
     budget = None if context is None else context - after
     hp, rows, n_train = data.hparams, data.train_rows + data.val_rows, len(data.train_rows)
     for start in range(0, len(rows), 512):

@@ -7,7 +7,7 @@
   no network, CPU/memory/process limits, a wall-clock kill after
   :data:`PYTHON_TIMEOUT`). The sandbox runs one program per CPU at a time;
   a call waiting for a free slot spends its toolbox timeout waiting, so with
-  many episodes calling at once on few cores raise ``data.tool_timeout``.
+  many episodes calling at once on few cores raise ``data.episodes.tool_timeout``.
 * :class:`GuessNumber`: find a secret number with higher/lower feedback; its
   rows come from :func:`guess_number` (the ``guess_number`` built-in task).
 """

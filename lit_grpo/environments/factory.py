@@ -55,7 +55,7 @@ class EnvironmentFactory:
         tool_names: The names of its tool methods.
     """
 
-    def __init__(self, class_path: str, init_args: dict | None = None, *, field: str = "data.environment",
+    def __init__(self, class_path: str, init_args: dict | None = None, *, field: str = "data.episodes.environment",
                  timeout: float = 10.0) -> None:
         self.class_path = class_path
         self.init_args = dict(init_args or {})

@@ -80,7 +80,7 @@ class Toolbox:
         tools: The callables, functions or bound methods; each one's name
             (``__name__``) is the name the model calls it by.
         timeout: Wall-clock seconds one call may run before it is abandoned.
-        field: How error messages name the configuration entry (``data.tools``).
+        field: How error messages name the configuration entry (``data.episodes.tools``).
 
     Raises:
         ValueError: A tool without type hints or docstring, a name used twice,
@@ -102,7 +102,7 @@ class Toolbox:
             self.schemas.append(schema)
 
     @classmethod
-    def from_paths(cls, paths: Sequence[str], *, timeout: float = 10.0, field: str = "data.tools") -> Toolbox:
+    def from_paths(cls, paths: Sequence[str], *, timeout: float = 10.0, field: str = "data.episodes.tools") -> Toolbox:
         """Imports tools by dotted path, e.g. ``"lit_grpo.environments.builtin.calculator"``.
 
         Raises:

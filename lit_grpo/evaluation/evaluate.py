@@ -9,7 +9,7 @@ adapter a run exported, and scores with the run's own validation reward:
   temperature) and pass@k for each ``--pass_k`` k <= n, by the unbiased
   estimator of Chen et al. (2021): ``1 - C(n - c, k) / C(n, k)`` for a prompt
   with ``c`` correct answers out of ``n``, averaged over prompts.
-* with tools or an environment (``data.tools``, ``data.environment``): the
+* with tools or an environment (``data.episodes.tools``, ``data.episodes.environment``): the
   same episodes training runs, and beside the accuracy the greedy episodes'
   tool use (``tool_calls``, ``tool_errors`` per episode, ``turns_mean``), and
   with an environment that scores its episodes (``get_reward``) their mean

@@ -117,7 +117,7 @@ class Engine(Protocol):
                  greedy: bool = False, repeat: int | None = None, progress=None, episodes=None) -> Rollout:
         """Complete ``[B, P]`` left-padded prompts; ``repeat`` rows per prompt, contiguous.
 
-        With ``episodes`` (an :class:`~lit_grpo.generation.episodes.EpisodeSpec`,
+        With ``episodes`` (an :class:`~lit_grpo.generation.episodes.EpisodePlan`,
         one toolbox per row) each completion is an episode with tool calls
         (:mod:`lit_grpo.generation.episodes`).
 

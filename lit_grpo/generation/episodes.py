@@ -45,7 +45,7 @@ EOS, CALL, BUDGET = "eos", "call", "budget"
 
 
 @dataclass
-class EpisodeSpec:
+class EpisodePlan:
     """What turns each completion into an episode.
 
     Args:
@@ -57,7 +57,7 @@ class EpisodeSpec:
         max_episode_tokens: Most tokens after the prompt, the policy's and the tools'.
         prefix: Text the reply starts with, already in the prompt
             (``data.completion_prefix``): the first turn's text begins with it.
-        turn_prefix: Text every later turn starts with (``data.turn_prefix``):
+        turn_prefix: Text every later turn starts with (``data.episodes.turn_prefix``):
             queued after the tool results, tokenized with them, as tokens the
             policy reads but did not sample (masked out of the loss like the
             results); the turn's text begins with it.
@@ -114,7 +114,7 @@ class Episodes:
         eos: Token ids that end a turn (and its episode).
     """
 
-    def __init__(self, spec: EpisodeSpec, tokenizer, max_new_tokens: int, eos: list[int]) -> None:
+    def __init__(self, spec: EpisodePlan, tokenizer, max_new_tokens: int, eos: list[int]) -> None:
         n = len(spec.toolboxes)
         self.spec, self.tokenizer, self.max_new_tokens, self.eos = spec, tokenizer, max_new_tokens, set(eos)
         self.tokens: list[list[int]] = [[] for _ in range(n)]

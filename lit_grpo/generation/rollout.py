@@ -157,7 +157,7 @@ def generate(
             (1 when ``greedy``). Rows of one prompt are contiguous.
         generator: Source of randomness for sampling (default: global RNG).
         progress: A tqdm bar advanced once per decoding step, or ``None``.
-        episodes: An :class:`~lit_grpo.generation.episodes.EpisodeSpec`: run
+        episodes: An :class:`~lit_grpo.generation.episodes.EpisodePlan`: run
             episodes with tools, continuing from the KV cache after each
             turn's tool tokens; ``None``: single-turn completions.
 

@@ -109,7 +109,7 @@ class VLLMServerEngine:
                   generator) -> Rollout:
         if episodes is not None:
             raise ValueError("model.generation.backend='vllm_server' samples single-turn completions; episodes "
-                             "(data.tools, data.environment) need backend native or vllm for now.")
+                             "(data.episodes.tools, data.episodes.environment) need backend native or vllm for now.")
         repeat = repeat or (1 if greedy else sampling.group_size)
         tokenizer = self.module.tokenizer
         eos = [] if sampling.ignore_eos else eos_ids(tokenizer, self.module.policy)

@@ -70,7 +70,7 @@ class Request:
     prompts: list[dict]
     prompt_ids: Tensor  # [B, P]
     prompt_mask: Tensor  # [B, P]
-    episodes: object | None = None  # an EpisodeSpec with tools or an environment
+    episodes: object | None = None  # an EpisodePlan with tools or an environment
     environments: list | None = None  # each episode's environment (None where it has none)
 
 
@@ -99,7 +99,7 @@ class RolloutProducer:
         estimator: A key of :data:`~lit_grpo.rollout.estimators.ESTIMATORS`.
         encode: ``(rows, repeat) -> (prompt_ids, prompt_mask, episodes, environments)``:
             the chat-formatted, tokenized prompts, and for episodes their
-            :class:`~lit_grpo.generation.episodes.EpisodeSpec` and environments
+            :class:`~lit_grpo.generation.episodes.EpisodePlan` and environments
             (``None, None`` without).
         reply: The sampled texts as the replies read (the completion prefix in front).
         advantage_scale: ``data.advantage_scale``, read by ``grpo``.
