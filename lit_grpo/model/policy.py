@@ -27,7 +27,8 @@ from lit_grpo.model.activations import recompute_swiglu, share_adapter_input_cas
 from lit_grpo.model.attention import use_sdpa_gqa
 from lit_grpo.model.refusals import constructed
 from lit_grpo.model.stream import keep_stream_fp32
-from lit_grpo.model.sources import CONFIG, TOKENIZER, WEIGHTS, check_hub_model, check_model_folder, embedded_model_dir
+from lit_grpo.model.sources import (CONFIG, TOKENIZER, WEIGHTS, check_hub_model, check_model_folder, embedded_model_dir,
+                                    forget_gguf_quantizer)
 
 EMBEDDED = "embedded"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -216,7 +217,7 @@ def load_base_model(spec: PolicySpec) -> nn.Module:
     model = constructed("policy", AutoModelForCausalLM.from_pretrained, source,
                         values={"name_or_path": spec.name_or_path}, dtype=dtype, **kwargs)
     if kwargs.get("gguf_file"):
-        _forget_gguf_quantizer(model)
+        forget_gguf_quantizer(model)
     if spec.init_adapter:
         model = fold_adapter(model, spec.init_adapter)
     if spec.attn_implementation is None:

@@ -50,7 +50,7 @@ def embedded_model_dir(cache_dir: str | None = None) -> Path:
 
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=_EMBEDDED_GGUF)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=_EMBEDDED_GGUF)
-    _forget_gguf_quantizer(model)
+    forget_gguf_quantizer(model)
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -58,7 +58,8 @@ def embedded_model_dir(cache_dir: str | None = None) -> Path:
     return target
 
 
-def _forget_gguf_quantizer(model: nn.Module) -> None:
+def forget_gguf_quantizer(model: nn.Module) -> None:
+    """Detach the GGUF loader's quantizer from a model it de-quantized (see below)."""
     # The GGUF loader de-quantizes to float but leaves its quantizer attached, and
     # save_pretrained then refuses ("quantized with gguf and is not serializable").
     # The weights are plain floats, so detaching it is safe.
