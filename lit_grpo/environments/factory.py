@@ -17,8 +17,12 @@ broken environment fails before any training.
 from __future__ import annotations
 
 import inspect
+import math
+import numbers
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
+
+import torch
 
 from lit_grpo.environments.toolbox import Toolbox, import_object
 
@@ -126,3 +130,31 @@ class EnvironmentFactory:
 def _short(row: dict, limit: int = 200) -> str:
     text = repr(row)
     return text if len(text) <= limit else text[:limit] + "...}"
+
+
+# The column an environment's get_reward() reaches the `environment` reward in.
+ENVIRONMENT_REWARD = "environment_reward"
+
+
+def environment_rewards(environments: list) -> list[float | None]:
+    """Each episode's ``get_reward()`` (``None`` where the episode has no environment).
+
+    Raises:
+        ValueError: A ``get_reward()`` returned something that is not a finite number.
+    """
+    return [None if env is None else _environment_reward(env, row) for row, env in enumerate(environments)]
+
+
+def _environment_reward(environment, row: int) -> float:
+    name = f"{type(environment).__module__}.{type(environment).__qualname__}.get_reward()"
+    try:
+        value = environment.get_reward()
+    except Exception as error:
+        raise ValueError(f"{name} raised {error!r} on row {row}; its traceback is above. Fix the "
+                         "environment: get_reward() must return the finished episode's reward.") from error
+    if not isinstance(value, numbers.Real) and not (isinstance(value, torch.Tensor) and value.numel() == 1):
+        raise ValueError(f"{name} returned {value!r} ({type(value).__name__}) on row {row}; expected a number "
+                         "(the episode's reward: return 0.0 for an episode that earned nothing).")
+    if not math.isfinite(float(value)):
+        raise ValueError(f"{name} returned {float(value)} on row {row}; expected a finite number.")
+    return float(value)

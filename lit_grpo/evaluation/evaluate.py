@@ -39,7 +39,7 @@ from lightning.pytorch.cli import LightningCLI
 from tqdm.auto import tqdm
 
 from lit_grpo.algorithms.grpo import GRPOModule
-from lit_grpo.data.episodes import environment_rewards
+from lit_grpo.environments.factory import environment_rewards
 from lit_grpo.data.grpo import OnPolicyDataModule
 from lit_grpo.generation.episodes import episode_stats
 from lit_grpo.model.policy import LoraSpec
