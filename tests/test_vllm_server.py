@@ -39,18 +39,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """``vllm serve`` of the embedded model in float32 with runtime LoRA loading: its URL."""
+def start_server(folder, lora: bool = True):
+    """``vllm serve`` of the embedded model in float32 on a free port (with runtime LoRA loading unless
+    ``lora`` is false): ``(process, url)`` once it answers."""
     port = free_port()
-    log = tmp_path_factory.mktemp("vllm") / "server.log"
-    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_LOGGING_LEVEL": "WARNING"}
+    log = folder / "server.log"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    flags = ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "4"] if lora else []
+    if lora:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     with open(log, "w") as out:
         process = subprocess.Popen([PYTHON, "-m", "vllm.entrypoints.openai.api_server",
                                     "--model", str(embedded_model_dir()), "--host", "127.0.0.1", "--port", str(port),
-                                    "--dtype", "float32", "--enable-lora", "--max-lora-rank", "16",
-                                    "--max-loras", "4", "--max-model-len", "1024", "--enforce-eager",
+                                    "--dtype", "float32", *flags, "--max-model-len", "1024", "--enforce-eager",
                                     "--logprobs-mode", "processed_logprobs", "--seed", "0"],
                                    env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -60,15 +61,24 @@ def server(tmp_path_factory):
             pytest.fail(f"the vLLM server exited:\n{log.read_text()[-3000:]}")
         try:
             urllib.request.urlopen(url + "/v1/models", timeout=5)
-            break
+            return process, url
         except OSError:
             time.sleep(2)
-    else:
-        process.kill()
-        pytest.fail(f"the vLLM server did not start in 7 minutes:\n{log.read_text()[-3000:]}")
-    yield url
+    process.kill()
+    pytest.fail(f"the vLLM server did not start in 7 minutes:\n{log.read_text()[-3000:]}")
+
+
+def stop(process) -> None:
     process.terminate()
     process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A server with runtime LoRA loading, shared by the tests of this file: its URL."""
+    process, url = start_server(tmp_path_factory.mktemp("vllm"))
+    yield url
+    stop(process)
 
 
 def served_names(url: str) -> set[str]:
@@ -130,3 +140,94 @@ def test_a_server_of_another_base_model_is_refused_before_training(server, tiny_
     with pytest.raises(ValueError, match=r"model.generation.urls\[0\]='http://127.0.0.1:\d+' serves .*, not "
                                          r"model.policy.name_or_path="):
         module.engine.check()
+
+
+def test_greedy_episodes_on_the_server_equal_the_native_engines(server):
+    from test_episodes import Scripted, echo
+
+    from lit_grpo.environments import Toolbox
+    from lit_grpo.generation.episodes import EpisodePlan
+
+    data = OnPolicyDataModule(train_size=20, val_size=4)
+    native, remote = module_on(None), module_on(server)
+    for module in (native, remote):
+        data.trainer = L.Trainer(accelerator="cpu", logger=False)
+        data.trainer.strategy.connect(module)
+    data.setup("fit")
+    ids, mask = data.encode(data.train_rows[:4])
+    sampling = SamplingSpec(max_new_tokens=16)
+    first = native.engine.generate(ids, mask, sampling, greedy=True)
+    fmt = Scripted(native.tokenizer.decode(first.completion_ids[0, 2:3]))  # a text row 0 writes early: it calls
+    spec = EpisodePlan([Toolbox([echo])] * 4, fmt, max_turns=2, max_episode_tokens=40)
+    episodes = [module.engine.generate(ids, mask, sampling, greedy=True, episodes=spec) for module in (native, remote)]
+    assert episodes[1].episodes[0].tool_calls == 1
+    for key in ("completion_ids", "completion_mask", "completion_attention"):
+        assert torch.equal(getattr(episodes[1], key), getattr(episodes[0], key)), key
+    assert [r.messages for r in episodes[1].episodes] == [r.messages for r in episodes[0].episodes]
+    sampled = remote.engine.generate(ids, mask, sampling, episodes=EpisodePlan(
+        [Toolbox([echo])] * 8, fmt, max_turns=2, max_episode_tokens=40), repeat=2,
+        generator=torch.Generator().manual_seed(0))
+    mask = sampled.completion_mask.bool()  # the sampler's log-probs: < 0 where it sampled, 0 at tool tokens
+    assert (sampled.logprobs[mask] <= 0).all() and (sampled.logprobs[~mask] == 0).all()
+    remote.engine.close()
+
+
+def test_a_server_without_runtime_lora_loading_is_refused_before_training(tmp_path):
+    process, url = start_server(tmp_path, lora=False)
+    try:
+        module = GRPOModule(policy=PolicySpec(lora=LoraSpec(r=16, alpha=32)), progress=False,
+                            generation=GenerationSpec(backend="vllm_server", urls=[url]))
+        data = OnPolicyDataModule(train_size=20, val_size=4, prompts_per_epoch=2, batch_size=16,
+                                  sampling=SamplingSpec(group_size=8, max_new_tokens=8))
+        trainer = L.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, reload_dataloaders_every_n_epochs=1, default_root_dir=tmp_path)
+        with pytest.raises(ValueError, match=r"model.generation.urls\[0\]='http://127.0.0.1:\d+' did not load the "
+                                             r"adapter .*runtime LoRA loading is off there; start it with: "
+                                             r"VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"):
+            trainer.fit(module, data)
+        assert trainer.global_step == 0
+    finally:
+        stop(process)
+
+
+class KillServer(L.Callback):
+    """Ends the server's process when epoch ``epoch`` has trained (after its checkpoint)."""
+
+    def __init__(self, process, epoch: int) -> None:
+        self.process, self.epoch = process, epoch
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.current_epoch == self.epoch:
+            self.process.kill()
+            self.process.wait(timeout=60)
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_server_that_dies_mid_run_stops_it_with_a_checkpoint_that_resumes(server, tmp_path, staleness):
+    from lit_grpo.generation.vllm_server import ServerGone
+
+    def run(url: str, callbacks: list, ckpt_path=None) -> L.Trainer:
+        torch.manual_seed(0)
+        module = GRPOModule(policy=PolicySpec(lora=LoraSpec(r=16, alpha=32)), progress=False,
+                            validate_before_training=False,
+                            generation=GenerationSpec(backend="vllm_server", urls=[url], timeout=60))
+        data = OnPolicyDataModule(train_size=40, val_size=4, prompts_per_epoch=2, batch_size=16, staleness=staleness,
+                                  sampling=SamplingSpec(group_size=8, max_new_tokens=8))
+        checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "checkpoints", save_last=True,
+                                                          save_on_train_epoch_end=True)
+        trainer = L.Trainer(accelerator="cpu", max_epochs=4, logger=False, enable_progress_bar=False,
+                            limit_val_batches=0, reload_dataloaders_every_n_epochs=1, default_root_dir=tmp_path,
+                            callbacks=[checkpoints, *callbacks])
+        trainer.fit(module, data, ckpt_path=ckpt_path)
+        return trainer
+
+    process, dying = start_server(tmp_path)
+    started = time.monotonic()
+    with pytest.raises(ServerGone, match=r"model.generation.urls: the vLLM server at http://127.0.0.1:\d+ stopped "
+                                         r"answering .*resume from the last checkpoint"):
+        run(dying, [KillServer(process, epoch=1)])
+    assert time.monotonic() - started < 600  # an error, not a hang
+    last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    assert last["global_step"] >= 2  # epochs 0 and 1 trained and saved
+    resumed = run(server, [], ckpt_path=str(tmp_path / "checkpoints" / "last.ckpt"))  # another server, same model
+    assert resumed.global_step == 4 and resumed.current_epoch == 4

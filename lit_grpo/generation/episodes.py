@@ -1,4 +1,4 @@
-"""Episodes: the turn loop both engines run when tools or an environment are configured.
+"""Episodes: the turn loop every engine runs when tools or an environment are configured.
 
 An episode is the prompt followed by alternating segments: what the policy
 sampled (an assistant turn), then what its tools returned, for up to
@@ -20,8 +20,9 @@ would read them).
   the next queued tool token, so it continues from its KV cache: a turn's
   tool tokens are prefilled once, never re-read (:func:`lit_grpo.generation.rollout.generate`);
   rows whose turns end at the same step run their calls together;
-* the vLLM engine submits each row's prompt + trajectory once per turn
-  (its prefix cache keeps what was read before), all rows' calls together.
+* the vLLM engines (in process, or a server) submit each row's prompt +
+  trajectory once per turn (the prefix cache keeps what was read before), all
+  rows' calls together (:func:`play_turns`).
 
 The rollout is every token after the prompt: ``completion_mask`` is the
 model-token mask (1 only where the policy sampled), ``completion_attention``
@@ -33,6 +34,7 @@ the same tokens, mask and log-probs.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -242,6 +244,44 @@ class Episodes:
         return Rollout(prompt_ids.repeat_interleave(repeat, 0).cpu(), prompt_mask.repeat_interleave(repeat, 0).cpu(),
                        ids, mask, truncated, [r.answer for r in self.records], seconds,
                        None if greedy else logprobs, completion_attention=attention, episodes=self.records)
+
+
+# An engine that samples a whole turn per request: (rows, their contexts, their token budgets) -> each
+# row's sampled token ids and their log-probs (``None`` when greedy).
+TurnSampler = Callable[[list[int], list[list[int]], list[int]], list[tuple[list[int], list[float] | None]]]
+
+
+def play_turns(state: Episodes, contexts: list[list[int]], sample_turns: TurnSampler) -> None:
+    """Run ``state``'s episodes to their end with an engine that samples whole turns.
+
+    Each turn sends every live row's context (its prompt, then its trajectory so far) with the
+    tokens it may still sample; the engine stops a turn at EOS or the call format's stop text
+    (it may sample past them: the tokens after the turn's end are dropped here, as the native
+    engine would never have sampled them). The turns' calls then run together and their results
+    are fed as tool tokens.
+
+    Args:
+        state: The episodes, as :class:`Episodes` built them.
+        contexts: Each row's prompt token ids (``B * repeat`` rows).
+        sample_turns: The engine's call, see :data:`TurnSampler`.
+    """
+    live = list(range(len(contexts)))
+    while live:
+        turns = sample_turns(live, [contexts[row] + state.tokens[row] for row in live],
+                             [state.room(row) for row in live])
+        ended = {}
+        for row, (tokens, logprobs) in zip(live, turns):
+            for token, logprob in zip(tokens, logprobs or [None] * len(tokens)):
+                reason = state.sample(row, token, logprob)
+                if reason is not None:
+                    ended[row] = reason
+                    break
+            ended.setdefault(row, BUDGET)  # the engine stopped at the turn's budget
+        state.end_turns(ended)
+        for row in live:
+            while state.queue[row]:
+                state.force(row)
+        live = [row for row in live if not state.done[row]]
 
 
 def episode_stats(records: list[EpisodeRecord]) -> dict[str, float]:

@@ -47,7 +47,7 @@ from torch import Tensor
 from lit_grpo.training.distributed import gathered
 from lit_grpo.generation.merged import merged_weights, trained_weight_names
 from lit_grpo.generation.rollout import Rollout, SamplingSpec, eos_ids, finish_rollout
-from lit_grpo.generation.episodes import Episodes
+from lit_grpo.generation.episodes import Episodes, play_turns
 from lit_grpo.model.policy import DTYPES, EMBEDDED
 from lit_grpo.model.sources import embedded_model_dir
 
@@ -124,34 +124,27 @@ class VLLMEngine:
 
         state = Episodes(spec, self.module.tokenizer, sampling.max_new_tokens, eos)
         contexts = [p["prompt_token_ids"] for p in prompts for _ in range(repeat)]
-        start, live = time.perf_counter(), list(range(len(contexts)))
+
+        def sample_turns(rows: list[int], texts: list[list[int]], rooms: list[int]):
+            params = [SamplingParams(
+                n=1, max_tokens=room, temperature=0.0 if greedy else sampling.temperature,
+                top_p=1.0 if greedy else sampling.top_p, top_k=0 if greedy else sampling.top_k,
+                stop_token_ids=eos, stop=[spec.call_format.stop], include_stop_str_in_output=True,
+                logprobs=None if greedy else 0, detokenize=True) for room in rooms]
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=text) for text in texts], params,
+                                        use_tqdm=False)
+            turns = []
+            for output in outputs:
+                sample = output.outputs[0]
+                turns.append((list(sample.token_ids), None if greedy else [
+                    step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)]))
+            return turns
+
+        start = time.perf_counter()
         with _contained():
             if seed is not None:
                 torch.manual_seed(seed)
-            while live:
-                params = [SamplingParams(
-                    n=1, max_tokens=state.room(row), temperature=0.0 if greedy else sampling.temperature,
-                    top_p=1.0 if greedy else sampling.top_p, top_k=0 if greedy else sampling.top_k,
-                    stop_token_ids=eos, stop=[spec.call_format.stop], include_stop_str_in_output=True,
-                    logprobs=None if greedy else 0, detokenize=True) for row in live]
-                outputs = self.llm.generate([TokensPrompt(prompt_token_ids=contexts[row] + state.tokens[row])
-                                             for row in live], params, use_tqdm=False)
-                ended = {}
-                for row, output in zip(live, outputs):
-                    sample = output.outputs[0]
-                    logprobs = [None] * len(sample.token_ids) if greedy else [
-                        step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)]
-                    for token, logprob in zip(sample.token_ids, logprobs):
-                        reason = state.sample(row, token, logprob)
-                        if reason is not None:
-                            ended[row] = reason
-                            break
-                    ended.setdefault(row, "budget")  # vLLM stopped at max_tokens: the budget is spent
-                state.end_turns(ended)
-                for row in live:
-                    while state.queue[row]:
-                        state.force(row)
-                live = [row for row in live if not state.done[row]]
+            play_turns(state, contexts, sample_turns)
         return state.rollout(prompt_ids.cpu(), prompt_mask.cpu(), repeat, greedy, time.perf_counter() - start)
 
     def _rollout(self, outputs, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, seconds) -> Rollout:

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from lit_grpo.generation.episodes import Episodes, play_turns
 from lit_grpo.generation.native import adapter_state, load_trainable
 from lit_grpo.generation.rollout import Rollout, SamplingSpec, eos_ids, finish_rollout
 from lit_grpo.model.policy import EMBEDDED
@@ -42,7 +43,11 @@ SERVE_HINT = ("start it with: VLLM_ALLOW_RUNTIME_LORA_UPDATING=True python -m vl
 
 
 class ServerError(RuntimeError):
-    """A vLLM server failed mid-run (it stopped answering, or refused a request)."""
+    """A vLLM server refused a request mid-run."""
+
+
+class ServerGone(ServerError):
+    """A vLLM server stopped answering (no connection, or no answer within ``model.generation.timeout``)."""
 
 
 class VLLMServerEngine:
@@ -107,41 +112,64 @@ class VLLMServerEngine:
 
     def _generate(self, name: str, prompt_ids, prompt_mask, sampling, greedy, repeat, progress, episodes,
                   generator) -> Rollout:
-        if episodes is not None:
-            raise ValueError("model.generation.backend='vllm_server' samples single-turn completions; episodes "
-                             "(data.episodes.tools, data.episodes.environment) need backend native or vllm for now.")
         repeat = repeat or (1 if greedy else sampling.group_size)
         tokenizer = self.module.tokenizer
         eos = [] if sampling.ignore_eos else eos_ids(tokenizer, self.module.policy)
         prompts = [row[mask.bool()].tolist() for row, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
-        # One seed per prompt from the caller's seeded generator: the same rollout asks for the same samples.
-        seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator).tolist()
-        body = {"model": name, "n": repeat, "max_tokens": sampling.max_new_tokens,
-                "temperature": 0.0 if greedy else sampling.temperature, "top_p": 1.0 if greedy else sampling.top_p,
+        body = {"model": name, "temperature": 0.0 if greedy else sampling.temperature,
+                "top_p": 1.0 if greedy else sampling.top_p,
                 "top_k": -1 if greedy or not sampling.top_k else sampling.top_k, "logprobs": 0,
                 "stop_token_ids": eos, "ignore_eos": sampling.ignore_eos, "return_tokens_as_token_ids": True,
                 "skip_special_tokens": False}
         start = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=min(len(prompts), 8 * len(self.urls))) as pool:
-            answers = list(pool.map(
-                lambda i: self._request(self.urls[i % len(self.urls)], "/v1/completions",
-                                        {**body, "prompt": prompts[i], "seed": seeds[i]}),
-                range(len(prompts))))
-        seconds = time.perf_counter() - start
-        n = len(prompts) * repeat
-        completion_ids = torch.full((n, sampling.max_new_tokens), tokenizer.pad_token_id, dtype=torch.long)
-        logprobs = torch.zeros(n, sampling.max_new_tokens)
-        for p, answer in enumerate(answers):
-            for choice in sorted(answer["choices"], key=lambda c: c["index"]):
-                ids, values = _tokens(choice)
-                row = p * repeat + choice["index"]
-                completion_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-                logprobs[row, : len(values)] = torch.tensor(values)
+        if episodes is not None:
+            rollout = self._episodes(body, prompts, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, episodes,
+                                     generator)
+        else:
+            # One seed per prompt from the caller's seeded generator: the same rollout asks for the same samples.
+            seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator).tolist()
+            answers = self._complete([{**body, "n": repeat, "max_tokens": sampling.max_new_tokens, "prompt": prompt,
+                                       "seed": seed} for prompt, seed in zip(prompts, seeds)])
+            n = len(prompts) * repeat
+            completion_ids = torch.full((n, sampling.max_new_tokens), tokenizer.pad_token_id, dtype=torch.long)
+            logprobs = torch.zeros(n, sampling.max_new_tokens)
+            for p, answer in enumerate(answers):
+                for choice in sorted(answer["choices"], key=lambda c: c["index"]):
+                    ids, values = _tokens(choice)
+                    row = p * repeat + choice["index"]
+                    completion_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+                    logprobs[row, : len(values)] = torch.tensor(values)
+            rollout = finish_rollout(tokenizer, prompt_ids.cpu(), prompt_mask.cpu(), repeat, completion_ids,
+                                     None if greedy else logprobs, eos, time.perf_counter() - start)
         if progress is not None:
             progress.update(sampling.max_new_tokens)
             progress.close()
-        return finish_rollout(tokenizer, prompt_ids.cpu(), prompt_mask.cpu(), repeat, completion_ids,
-                              None if greedy else logprobs, eos, seconds)
+        return rollout
+
+    def _episodes(self, body, prompts, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, spec,
+                  generator) -> Rollout:
+        """Episodes (:mod:`lit_grpo.generation.episodes`): each turn sends every live row's prompt +
+        trajectory as token ids (the server's prefix cache holds what it read before), each with a seed
+        of its own; the calls of a turn run here, together."""
+        state = Episodes(spec, self.module.tokenizer, sampling.max_new_tokens, eos)
+
+        def sample_turns(rows: list[int], contexts: list[list[int]], rooms: list[int]):
+            seeds = torch.randint(0, 2**31 - 1, (len(rows),), generator=generator).tolist()
+            answers = self._complete([{**body, "n": 1, "max_tokens": room, "prompt": context, "seed": seed,
+                                       "stop": [spec.call_format.stop], "include_stop_str_in_output": True}
+                                      for context, room, seed in zip(contexts, rooms, seeds)])
+            turns = [_tokens(answer["choices"][0]) for answer in answers]
+            return [(ids, None if greedy else values) for ids, values in turns]
+
+        start = time.perf_counter()
+        play_turns(state, [prompt for prompt in prompts for _ in range(repeat)], sample_turns)
+        return state.rollout(prompt_ids.cpu(), prompt_mask.cpu(), repeat, greedy, time.perf_counter() - start)
+
+    def _complete(self, bodies: list[dict]) -> list[dict]:
+        """``/v1/completions`` of each body, spread over the servers round-robin, several in flight."""
+        with ThreadPoolExecutor(max_workers=min(len(bodies), 8 * len(self.urls))) as pool:
+            return list(pool.map(lambda i: self._request(self.urls[i % len(self.urls)], "/v1/completions",
+                                                         bodies[i]), range(len(bodies))))
 
     # ------------------------------------------------------------- weights
     def weights_changed(self) -> None:
@@ -175,6 +203,9 @@ class VLLMServerEngine:
             try:
                 self._request(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)},
                               raw=True)
+            except ServerGone:
+                shutil.rmtree(folder, ignore_errors=True)
+                raise
             except ServerError as error:
                 shutil.rmtree(folder, ignore_errors=True)
                 raise ValueError(f"model.generation.urls[{i}]={url!r} did not load the adapter ({error}): runtime "
@@ -190,8 +221,9 @@ class VLLMServerEngine:
         except urllib.error.HTTPError as error:
             raise ServerError(f"{url}{path} answered HTTP {error.code}: {error.read().decode()[:300]}") from None
         except (urllib.error.URLError, OSError) as error:
-            raise ServerError(f"{url}{path}: {getattr(error, 'reason', error)}; the vLLM server stopped answering "
-                              "(the checkpoint before this rollout resumes once it is back)") from None
+            raise ServerGone(f"model.generation.urls: the vLLM server at {url} stopped answering ({path}: "
+                             f"{getattr(error, 'reason', error)}); start it again and resume from the last "
+                             "checkpoint (--ckpt_path last).") from None
         return text if raw else json.loads(text)
 
     def close(self) -> None:
