@@ -108,19 +108,19 @@ def test_schema_of_a_typed_tool_is_transformers_json_schema():
     (f"{__name__}.no_docstring", "docstring"),
     ("calculator", "not a dotted path"),
 ])
-def test_from_paths_errors_name_the_field_and_the_path(path, expected):
+def test_from_config_errors_name_the_field_and_the_path(path, expected):
     with pytest.raises(ValueError) as error:
-        Toolbox.from_paths([f"{__name__}.add", path])
+        Toolbox.from_config([f"{__name__}.add", path])
     assert "data.episodes.tools[1]" in str(error.value)
     assert expected in str(error.value)
     assert path.rsplit(".", 1)[-1] in str(error.value)
 
 
-def test_from_paths_imports_in_order_and_refuses_a_name_twice():
-    toolbox = Toolbox.from_paths(["lit_grpo.environments.builtin.calculator", f"{__name__}.add"])
+def test_from_config_imports_in_order_and_refuses_a_name_twice():
+    toolbox = Toolbox.from_config(["lit_grpo.environments.builtin.calculator", f"{__name__}.add"])
     assert toolbox.names == ["calculator", "add"]
     with pytest.raises(ValueError, match=r"data.episodes.tools\[1\]: a second tool named 'add'"):
-        Toolbox.from_paths([f"{__name__}.add", f"{__name__}.add"])
+        Toolbox.from_config([f"{__name__}.add", f"{__name__}.add"])
 
 
 def test_calls_run_in_order_and_failures_become_error_observations():

@@ -59,7 +59,7 @@ def test_calculator_refuses_what_is_not_bounded_arithmetic(expression, message):
 
 
 def test_calculator_errors_reach_the_model_as_observations():
-    toolbox = Toolbox.from_paths(["lit_grpo.environments.builtin.calculator"])
+    toolbox = Toolbox.from_config(["lit_grpo.environments.builtin.calculator"])
     refused, zero = toolbox.run([ToolCall("calculator", {"expression": "__import__('os')"}),
                                  ToolCall("calculator", {"expression": "1 / 0"})])
     assert refused.error and refused.content.startswith("Error: ValueError: only numbers")

@@ -230,7 +230,7 @@ def test_beta_zero_never_touches_ref():
 
 def test_errors():
     lp, mask, adv = torch.zeros(2, 3), torch.ones(2, 3), torch.ones(2)
-    with pytest.raises(ValueError, match=r"loss_type must be one of \['bnpo', 'dapo', 'dr_grpo', 'grpo'\], got 'ppo'"):
+    with pytest.raises(ValueError, match=r"loss_type must be one of \['bnpo', 'cispo', 'dapo', 'dr_grpo', 'grpo', 'sapo'\], got 'ppo'"):
         grpo_loss(lp, lp, adv, mask, beta=0.0, loss_type="ppo")
     with pytest.raises(ValueError, match=r"importance_level must be one of \['sequence', 'token'\]"):
         grpo_loss(lp, lp, adv, mask, beta=0.0, importance_level="row")

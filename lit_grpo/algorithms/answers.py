@@ -30,7 +30,8 @@ def answer_rows(module: L.LightningModule, datamodule: L.LightningDataModule,
         answers = module.answer(batch["prompt_ids"], batch["prompt_mask"], batch.get("episodes"))
     finally:
         module.train(was_training)
-    return datamodule.full_completions(answers), datamodule.score_validation(batch["rows"], answers).tolist()
+    scores = datamodule.score_validation(batch["rows"], answers, batch.get("environments"))
+    return datamodule.full_completions(answers), scores.tolist()
 
 
 def greedy_accuracy(module: L.LightningModule, datamodule: L.LightningDataModule, rows: list[dict]) -> float:
@@ -50,7 +51,7 @@ def greedy_accuracy(module: L.LightningModule, datamodule: L.LightningDataModule
     for start in range(0, share, size):
         batch = datamodule.collate_val(mine[start : start + size])
         completions = module.answer(batch["prompt_ids"], batch["prompt_mask"], batch.get("episodes"))
-        scores = datamodule.score_validation(batch["rows"], completions)
+        scores = datamodule.score_validation(batch["rows"], completions, batch.get("environments"))
         metric.update(scores.to(module.device), torch.tensor(weights[start : start + size], device=module.device))
     return float(metric.compute())
 

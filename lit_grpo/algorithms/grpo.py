@@ -36,7 +36,7 @@ __all__ = ["SCORED_KEYS", "GRPOModule"]
 # Loss types normalised by a count taken over the whole optimizer step on all
 # ranks; Lightning averages micro-batches and DDP averages ranks, so these
 # losses are scaled back up to a plain sum.
-_GLOBALLY_NORMALISED = {"dapo"}
+_GLOBALLY_NORMALISED = {"dapo", "cispo"}
 # The truncated importance-sampling cap of rollouts sampled ahead (data.staleness) where
 # model.generation.importance_sampling_cap sets none: TRL's and verl's default.
 AHEAD_IMPORTANCE_SAMPLING_CAP = 2.0
@@ -55,10 +55,15 @@ class GRPOModule(OnPolicyModule):
         epsilon_low: Lower clip range of the ratio (1 - epsilon_low).
         epsilon_high: Upper clip range (1 + epsilon_high); DAPO's clip-higher
             uses 0.28.
-        loss_type: Aggregation over tokens: ``grpo`` (mean per sequence, then
-            over sequences), ``bnpo`` (token mean per micro-batch), ``dapo``
-            (token sum over all tokens of the optimizer step on all ranks),
-            ``dr_grpo`` (sum / (rows x max_completion_length)).
+        loss_type: The clipped surrogate aggregated over tokens as ``grpo``
+            (mean per sequence, then over sequences), ``bnpo`` (token mean per
+            micro-batch), ``dapo`` (token sum over all tokens of the optimizer
+            step on all ranks) or ``dr_grpo`` (sum / (rows x
+            max_completion_length)); or ``cispo`` (MiniMax-M1, arXiv:2506.13585:
+            REINFORCE weighted by the detached ratio capped at 1 +
+            epsilon_high; aggregated as ``dapo``) or ``sapo`` (Qwen,
+            arXiv:2511.20347: a soft sigmoid gate instead of the clip;
+            aggregated as ``grpo``). docs/algorithms.md has each formula.
         importance_level: ``token`` (PPO/GRPO ratio per token) or ``sequence``
             (GSPO: one geometric-mean ratio per completion).
         max_completion_length: Denominator of ``dr_grpo``; defaults to the
@@ -81,6 +86,13 @@ class GRPOModule(OnPolicyModule):
             advantage (collapsed groups) out of the forward and backward passes;
             their gradient is exactly zero, and the loss is rescaled so the
             step is unchanged.
+        sapo_temperature_pos: ``sapo``'s gate temperature where the advantage is positive.
+        sapo_temperature_neg: ``sapo``'s gate temperature elsewhere (larger: the gate closes sooner).
+        entropy_coef: Entropy bonus: this times the policy's entropy at each
+            sampled token is subtracted from the loss (0: none).
+        top_entropy_quantile: Train the policy term on this fraction of each
+            micro-batch's tokens with the highest entropy only (TRL's
+            ``top_entropy_quantile``; Wang et al. 2025, "80/20"); 1.0: all.
         generation: Which engine samples rollouts and validation answers
             (``native`` or ``vllm``), in which dtype, and the importance-sampling
             correction for a sampler that differs from the trainer; see
@@ -93,7 +105,7 @@ class GRPOModule(OnPolicyModule):
         beta: float = 0.04,
         epsilon_low: float = 0.2,
         epsilon_high: float = 0.2,
-        loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo"] = "grpo",
+        loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo"] = "grpo",
         importance_level: Literal["token", "sequence"] = "token",
         max_completion_length: int | None = None,
         optimizer: OptimizerCallable | None = None,
@@ -104,6 +116,10 @@ class GRPOModule(OnPolicyModule):
         validate_before_training: bool = True,
         skip_zero_gradient_rows: bool = True,
         generation: GenerationSpec | None = None,
+        sapo_temperature_pos: float = 1.0,
+        sapo_temperature_neg: float = 1.05,
+        entropy_coef: float = 0.0,
+        top_entropy_quantile: float = 1.0,
     ) -> None:
         super().__init__(policy, optimizer, scheduler, max_nonfinite_steps, generation)
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
@@ -112,6 +128,13 @@ class GRPOModule(OnPolicyModule):
         for name, value in (("epsilon_low", epsilon_low), ("epsilon_high", epsilon_high)):
             if value < 0:
                 raise ValueError(f"model.{name}={value}; expected >= 0.")
+        for name, value in (("sapo_temperature_pos", sapo_temperature_pos),
+                            ("sapo_temperature_neg", sapo_temperature_neg)):
+            if not value > 0:
+                raise ValueError(f"model.{name}={value}; expected > 0.")
+        if not 0 < top_entropy_quantile <= 1:
+            raise ValueError(f"model.top_entropy_quantile={top_entropy_quantile}; expected a fraction in (0, 1] "
+                             "(1.0 trains on every token).")
         for name, value, choices in (("loss_type", loss_type, LOSS_TYPES),
                                      ("importance_level", importance_level, IMPORTANCE_LEVELS)):
             if value not in choices:
@@ -145,7 +168,7 @@ class GRPOModule(OnPolicyModule):
         logprobs, entropy = completion_logprobs(
             self.policy, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
             batch["completion_mask"], temperature=batch["temperature"], with_entropy=True,
-            completion_attention=batch.get("completion_attention"),
+            completion_attention=batch.get("completion_attention"), entropy_grad=hp.entropy_coef != 0,
         )  # [n, C]
         mask = batch["completion_mask"]
         old_logprobs = batch.get("old_logprobs", logprobs.detach())
@@ -167,13 +190,18 @@ class GRPOModule(OnPolicyModule):
             max_completion_length=hp.max_completion_length or batch["max_new_tokens"],
             num_items=batch["num_items"],
             importance_weights=weights,
+            sapo_temperature_pos=hp.sapo_temperature_pos,
+            sapo_temperature_neg=hp.sapo_temperature_neg,
+            entropies=entropy,
+            entropy_coef=hp.entropy_coef,
+            top_entropy_quantile=hp.top_entropy_quantile,
         )
         loss = result.loss * scale
         if hp.loss_type in _GLOBALLY_NORMALISED:
             loss = loss * self.trainer.accumulate_grad_batches * self.trainer.world_size
         self._add_time("policy_forward", time.perf_counter() - start)
         values = {f"train/{k}": v for k, v in result.metrics.items()}
-        values["train/entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
+        values["train/entropy"] = (entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
         values.update(sampler_metrics)
         metrics = {name: values[name] for name in self._step_metric_names(kl_in_rewards)}
         self._log_step(metrics, result.loss.detach(), rows=mask.shape[0])
@@ -183,7 +211,8 @@ class GRPOModule(OnPolicyModule):
     def _step_metric_names(self, kl_in_rewards: bool) -> list[str]:
         """The metrics every training step logs, in a fixed order (the same on every rank)."""
         kl = ["kl"] if self.hparams.beta > 0 and not kl_in_rewards else []
-        return [f"train/{k}" for k in (*CLIP_METRICS, *kl, "entropy")] + [
+        trained = ["entropy/trained_fraction"] if self.hparams.top_entropy_quantile < 1 else []
+        return [f"train/{k}" for k in (*CLIP_METRICS, *kl, "entropy", *trained)] + [
             "sampler/logprob_abs_diff", "sampler/kl", "sampler/is_capped_fraction"]
 
     def _rows_with_gradient(self, batch: dict, kl_in_rewards: bool) -> tuple[dict | None, float]:
@@ -194,12 +223,14 @@ class GRPOModule(OnPolicyModule):
         contributes exactly 0 to the loss and its gradient, but it still
         counts in the denominator of ``grpo``/``dr_grpo`` (rows) and ``bnpo``
         (tokens); the loss of the remaining rows is scaled by kept/all of that
-        denominator, so the step is the same as with every row. ``dapo``
-        divides by a count fixed for the whole step. Returns ``(None, 0)`` when
+        denominator, so the step is the same as with every row. ``dapo`` and
+        ``cispo`` divide by a count fixed for the whole step. Returns ``(None, 0)`` when
         no row is left. The logged training metrics then cover the kept rows.
         """
-        if not self.hparams.skip_zero_gradient_rows or (self.hparams.beta > 0 and not kl_in_rewards):
-            return batch, 1.0
+        hp = self.hparams
+        if (not hp.skip_zero_gradient_rows or (hp.beta > 0 and not kl_in_rewards) or hp.entropy_coef != 0
+                or hp.top_entropy_quantile < 1):
+            return batch, 1.0  # the KL or the entropy bonus trains every row; the quantile is over every row
         advantages = batch["advantages"]  # [n] or [n, C]
         keep = (advantages != 0).reshape(len(advantages), -1).any(-1)  # [n]
         if bool(keep.all()):
@@ -207,8 +238,12 @@ class GRPOModule(OnPolicyModule):
         if not bool(keep.any()):
             return None, 0.0
         mask = batch["completion_mask"]
-        scale = {"bnpo": float(mask[keep].sum() / mask.sum().clamp(min=1)), "dapo": 1.0}.get(
-            self.hparams.loss_type, float(keep.sum()) / len(keep))
+        if hp.loss_type in _GLOBALLY_NORMALISED:
+            scale = 1.0
+        elif hp.loss_type == "bnpo":
+            scale = float(mask[keep].sum() / mask.sum().clamp(min=1))
+        else:
+            scale = float(keep.sum()) / len(keep)
         kept = {k: v[keep] if torch.is_tensor(v) and v.dim() > 0 and len(v) == len(keep) else v
                 for k, v in batch.items()}
         return kept, scale

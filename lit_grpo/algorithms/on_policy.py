@@ -218,7 +218,7 @@ class OnPolicyModule(PolicyModule):
     # ------------------------------------------------------------- validation
     def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
         completions = self.answer(batch["prompt_ids"], batch["prompt_mask"], batch.get("episodes"))
-        scores = self.trainer.datamodule.score_validation(batch["rows"], completions)
+        scores = self.trainer.datamodule.score_validation(batch["rows"], completions, batch.get("environments"))
         metric = self.val_accuracy[dataloader_idx]
         metric.update(scores.to(self.device))
         name = list(self.trainer.datamodule.val_sets())[dataloader_idx]

@@ -23,6 +23,7 @@ from typing import Any
 from lit_grpo.environments import Toolbox, TemplateFormat, call_format
 from lit_grpo.environments.factory import ENVIRONMENT_REWARD, EnvironmentFactory
 from lit_grpo.generation.episodes import EpisodePlan
+from lit_grpo.data.prompts import prompt_messages
 from lit_grpo.generation.rollout import encode_prompts
 from lit_grpo.rewards import BUILTINS, FromCallable, Reward, RewardCombiner
 
@@ -32,13 +33,16 @@ class EpisodesSpec:
     """Tools and a multi-turn environment: with either, every completion becomes an episode.
 
     Args:
-        tools: Tools the model may call, as dotted paths of typed functions
-            with Google-style docstrings (``lit_grpo.environments.builtin.calculator``).
-        environment: A multi-turn environment, ``{class_path, init_args}``: one
-            instance per episode, its ``reset(**row)`` text added to the prompt,
-            its methods the episode's tools, its ``get_reward()`` a reward. One
-            init arg can be set from the command line:
-            ``--data.episodes.environment.init_args.max_guesses=3``.
+        tools: Tools the model may call: typed functions with Google-style
+            docstrings, as dotted paths (``lit_grpo.environments.builtin.calculator``)
+            or, in Python, the functions themselves (sync or ``async def``), as
+            TRL's ``tools=[...]``.
+        environment: A multi-turn environment, ``{class_path, init_args}``, or in
+            Python the class or any zero-argument factory (TRL's
+            ``environment_factory``): one instance per episode, its
+            ``reset(**row)`` text added to the prompt, its methods the episode's
+            tools, its ``get_reward()`` a reward. One init arg can be set from
+            the command line: ``--data.episodes.environment.init_args.max_guesses=3``.
         max_turns: Most assistant turns per episode.
         tool_timeout: Seconds one tool call may run before its result is a timeout error.
         max_episode_tokens: Most tokens after the prompt, the model's and the
@@ -117,11 +121,11 @@ class EpisodeSetup:
     """
 
     def __init__(self, spec: EpisodesSpec, max_episode_tokens: int) -> None:
-        self.toolbox = Toolbox.from_paths(spec.tools, timeout=spec.tool_timeout) if spec.tools else None
+        self.toolbox = Toolbox.from_config(spec.tools, timeout=spec.tool_timeout) if spec.tools else None
         self.factory = None
         environment = spec.environment
-        if environment is not None:
-            if not isinstance(environment, dict) or "class_path" not in environment:
+        if isinstance(environment, dict):
+            if "class_path" not in environment:
                 raise ValueError(f"data.episodes.environment={environment!r}; expected "
                                  "{class_path: ..., init_args: {...}}.")
             # jsonargparse files --data.episodes.environment.init_args.NAME=VALUE as environment[NAME] (a
@@ -129,6 +133,8 @@ class EpisodeSetup:
             given = {name: value for name, value in environment.items() if name not in ("class_path", "init_args")}
             self.factory = EnvironmentFactory(environment["class_path"], {**(environment.get("init_args") or {}),
                                                                           **given}, timeout=spec.tool_timeout)
+        elif environment is not None:  # in Python: a class or a factory, as TRL's environment_factory
+            self.factory = EnvironmentFactory(environment, timeout=spec.tool_timeout)
         self.max_turns, self.max_episode_tokens, self.turn_prefix = spec.max_turns, max_episode_tokens, spec.turn_prefix
         self.format = None  # the tokenizer's call format, learnt at first use
 
@@ -155,26 +161,28 @@ class EpisodeSetup:
     def start(self, datamodule, rows: list[dict], repeat: int):
         """Fresh episodes for ``rows``, ``repeat`` per row: ``(prompt_ids, prompt_mask, spec, environments)``.
 
-        ``environments`` holds each episode's environment instance (``None`` without one).
+        ``environments`` holds each episode's environment instance (``None`` without one). The
+        episodes of a row share one prompt, unless its environments' ``reset`` texts differ (a game
+        dealt at random, as TRL's 2048): then each episode gets its own prompt, and ``prompt_ids``
+        holds ``len(rows) * repeat`` rows (:meth:`EpisodePlan.repeat` tells the engine how many
+        completions each prompt row gets).
         """
         toolboxes, environments, resets = [], [], []
         for row in rows:
             if self.factory is None:
                 toolboxes += [self.toolbox] * repeat
                 environments += [None] * repeat
-                resets.append(None)
+                resets += [None] * repeat
                 continue
             started = [self.factory.new(row) for _ in range(repeat)]
-            texts = {text for _, text, _ in started}
-            if len(texts) > 1:
-                raise ValueError(f"data.episodes.environment: {self.factory.class_path}.reset returned different texts for "
-                                 f"one row ({sorted(map(str, texts))[:2]}); the episodes of a group share their "
-                                 "prompt, so reset's text may depend on the row only.")
             environments += [instance for instance, _, _ in started]
             toolboxes += [box.merged(self.toolbox) if self.toolbox else box for _, _, box in started]
-            resets.append(started[0][1])
+            resets += [text for _, text, _ in started]
+        shared = all(len(set(resets[i : i + repeat])) == 1 for i in range(0, len(resets), repeat))
+        step = repeat if shared else 1  # one prompt per row, or one per episode
+        prompt_rows = rows if shared else [row for row in rows for _ in range(repeat)]
         tokenizer, hp = datamodule.trainer.lightning_module.tokenizer, datamodule.hparams
-        ids, mask = encode_prompts(tokenizer, self.prompts(datamodule, rows, resets, toolboxes[::repeat]),
+        ids, mask = encode_prompts(tokenizer, self.prompts(datamodule, prompt_rows, resets[::step], toolboxes[::step]),
                                    hp.max_prompt_length, hp.prompt_overflow)
         spec = EpisodePlan(toolboxes, self.call_format(tokenizer), self.max_turns, self.max_episode_tokens,
                            hp.completion_prefix, self.turn_prefix, environments if self.factory else [])
@@ -195,9 +203,8 @@ class EpisodeSetup:
             resets, toolboxes = [text for _, text, _ in started], [box for _, _, box in started]
         fmt, texts = self.call_format(tokenizer), []
         for row, reset, toolbox in zip(rows, resets, toolboxes):
-            user = hp.prompt_template.format(prompt=row["prompt"]) + (f"\n\n{reset}" if reset else "")
-            messages = [{"role": "system", "content": hp.system_prompt}] if hp.system_prompt else []
-            messages = fmt.system_prompt(tokenizer, [*messages, {"role": "user", "content": user}], toolbox.schemas)
+            messages = prompt_messages(row["prompt"], hp.system_prompt, hp.prompt_template, reset)
+            messages = fmt.system_prompt(tokenizer, messages, toolbox.schemas)
             extra = {"tools": toolbox.schemas} if isinstance(fmt, TemplateFormat) else {}
             texts.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
                          + hp.completion_prefix)

@@ -22,7 +22,7 @@ that were still to come.
 from __future__ import annotations
 
 import random
-from typing import Literal
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 
 from lit_grpo.data.batches import BatchCursor
 from lit_grpo.data.buffer import OnDemand, RolloutBuffer
-from lit_grpo.rewards import Accuracy, Format, Reward, RewardCombiner
+from lit_grpo.rewards import Accuracy, Format, Reward, RewardCombiner, TrainerState
 from lit_grpo.generation.rollout import SamplingSpec, encode_prompts
 from lit_grpo.rollout.ahead import Job, SamplingAhead
 from lit_grpo.rollout.producer import RolloutProducer, ScoredRollout
@@ -39,7 +39,7 @@ from lit_grpo.training.preemption import Preempted, abortable
 from lit_grpo.data.episodes import EpisodeSetup, EpisodesSpec
 from lit_grpo.data.setup_checks import check_prompt_budget, choose_estimator
 from lit_grpo.data.prompts import chat_prompts, check_prompt_lengths, columns_of
-from lit_grpo.data.sources import check_slices, held_out_slices, load_rows, rename_columns, split_rows
+from lit_grpo.data.sources import check_slices, held_out_slices, in_memory, load_rows, rename_columns, split_rows
 from lit_grpo.data.tasks import TooFewQuestions
 
 
@@ -49,7 +49,10 @@ class OnPolicyDataModule(L.LightningDataModule):
     Args:
         source: A built-in task (``arithmetic``, ``countdown``,
             ``word_problems``), a local ``.json/.jsonl/.parquet/.csv`` file,
-            or a hub dataset (``name`` or ``name:config``).
+            or a hub dataset (``name`` or ``name:config``); in Python also the
+            rows themselves: a list of dicts, a ``datasets.Dataset`` or
+            ``DatasetDict`` (TRL's ``train_dataset``). A prompt is text or a
+            conversation (a list of ``{role, content}`` messages).
         split: Training split of a file or hub source.
         val_split: Held-out split; ``None`` holds out ``val_size`` rows of the
             training split instead (built-in tasks generate a disjoint set).
@@ -89,8 +92,14 @@ class OnPolicyDataModule(L.LightningDataModule):
             (per token, from the module's critic: PPOModule); ``None`` takes
             the module's first choice (``grpo`` for GRPOModule, ``gae`` for
             PPOModule). ``grpo`` and ``rloo`` need group_size >= 2.
+        multi_objective_aggregation: With several rewards, ``sum_then_normalize``
+            normalises their weighted total in its group; ``normalize_then_sum``
+            (GDPO) normalises each reward in its group, sums them with their
+            weights and scales the sum by its std over the rollout, so a reward
+            with a large spread does not drown the others. Read by ``grpo`` only.
         val_reward: Scores greedy validation answers (``val/accuracy``);
-            defaults to ``Accuracy``.
+            defaults to ``Accuracy``. In Python also a reward function, as
+            ``rewards`` takes (e.g. one that reads ``environments``).
         val_batch_size: Prompts per validation batch.
         repeat: Cycle through the training prompts again (reshuffled) when
             they run out; without it, running out is an error.
@@ -113,7 +122,7 @@ class OnPolicyDataModule(L.LightningDataModule):
 
     def __init__(
         self,
-        source: str = "arithmetic",
+        source: str | Any = "arithmetic",
         split: str = "train",
         val_split: str | None = None,
         val_size: int = 64,
@@ -133,6 +142,7 @@ class OnPolicyDataModule(L.LightningDataModule):
         rewards: list[Reward] | None = None,
         advantage_scale: Literal["group", "batch", "none"] = "group",
         advantage_estimator: Literal["grpo", "rloo", "reinforce_pp", "gae"] | None = None,
+        multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize",
         val_reward: Reward | None = None,
         val_batch_size: int = 64,
         repeat: bool = True,
@@ -143,18 +153,27 @@ class OnPolicyDataModule(L.LightningDataModule):
         staleness: int = 0,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["rewards", "val_reward", "sampling", "episodes"])
+        self.source = in_memory(source)  # a name or path; or rows handed over in Python
+        self.save_hyperparameters(ignore=["rewards", "val_reward", "sampling", "episodes", "source"])
+        self.hparams.source = source if isinstance(source, str) else repr(self.source)
         self.sampling = sampling or SamplingSpec()
         rewards = rewards if rewards is not None else [Accuracy(), Format()]
         self.val_reward = val_reward or Accuracy()
+        self.val_scorer = RewardCombiner([self.val_reward])
         for name, value in (("prompts_per_epoch", prompts_per_epoch), ("batch_size", batch_size),
                             ("num_iterations", num_iterations), ("val_size", val_size)):
             if value < 1:
                 raise ValueError(f"data.{name}={value}; expected >= 1.")
+        if multi_objective_aggregation not in ("sum_then_normalize", "normalize_then_sum"):
+            raise ValueError(f"data.multi_objective_aggregation={multi_objective_aggregation!r}; expected "
+                             "sum_then_normalize or normalize_then_sum.")
+        if multi_objective_aggregation == "normalize_then_sum" and advantage_estimator not in (None, "grpo"):
+            raise ValueError(f"data.multi_objective_aggregation='normalize_then_sum' with data.advantage_estimator="
+                             f"{advantage_estimator!r}; it normalises each reward in its group: use grpo.")
         if staleness < 0:
             raise ValueError(f"data.staleness={staleness}; expected >= 0 (0: sample with the current weights, "
                              "k: up to k rollouts ahead of training).")
-        check_slices(source, val_slices or {})
+        check_slices(self.hparams.source, val_slices or {})
         if "{prompt}" not in prompt_template:
             raise ValueError(f"data.prompt_template={prompt_template!r} must contain '{{prompt}}'.")
         self.position = 0  # next unused prompt in the current pass
@@ -194,21 +213,21 @@ class OnPolicyDataModule(L.LightningDataModule):
         choose_estimator(self)  # first: a group size the estimator refuses also breaks the budget
         check_prompt_budget(self)
         self.rewards.check_columns(list(self.train_rows[0]), hp.source)
-        val_reward = RewardCombiner([self.val_reward])
         for rows in self.val_sets().values():
-            val_reward.check_columns(list(rows[0]), hp.source)
+            self.val_scorer.check_columns(list(rows[0]), hp.source)
         check_prompt_lengths(self)
         if self.episodes is not None:
             self.episodes.check(self.train_rows + self.val_rows)
         self.producer = RolloutProducer(
             self.sampling, self.rewards, self.advantage_estimator, self._encode_for_rollout, self.full_completions,
             advantage_scale=hp.advantage_scale, batch_size=hp.batch_size, num_iterations=hp.num_iterations,
-            dynamic_sampling=hp.dynamic_sampling, max_sampling_rounds=hp.max_sampling_rounds)
+            dynamic_sampling=hp.dynamic_sampling, max_sampling_rounds=hp.max_sampling_rounds,
+            multi_objective_aggregation=hp.multi_objective_aggregation)
 
     def _load(self, split: str, size: int) -> list[dict]:
         hp = self.hparams
         try:
-            raw = load_rows(hp.source, split, hp.task_args, hp.seed, size)
+            raw = load_rows(self.source, split, hp.task_args, hp.seed, size)
         except TooFewQuestions as error:
             raise ValueError(f"data.train_size={hp.train_size} + data.val_size={hp.val_size} rows asked of "
                              f"data.source={hp.source!r}: {error} Lower data.train_size, or widen "
@@ -348,7 +367,16 @@ class OnPolicyDataModule(L.LightningDataModule):
         return self.producer.produce(
             lambda: self._my_prompts(rank), trainer.lightning_module, count=self.prompts_per_rank,
             missing_on_any_rank=missing_on_any_rank, accumulate=trainer.accumulate_grad_batches,
-            epoch=trainer.current_epoch, **sampled_ahead)
+            epoch=trainer.current_epoch, trainer_state=self.trainer_state(), **sampled_ahead)
+
+    def trainer_state(self) -> TrainerState:
+        """Where training is, as the rewards that read ``trainer_state`` see it."""
+        trainer = self.trainer
+        steps_per_epoch = -(-self.micro_batches // trainer.accumulate_grad_batches)
+        max_steps = trainer.max_steps
+        if max_steps < 0 and trainer.max_epochs is not None and trainer.max_epochs >= 0:
+            max_steps = trainer.max_epochs * steps_per_epoch
+        return TrainerState(trainer.global_step, trainer.current_epoch, max_steps)
 
     def _produce_ahead(self, epoch: int, rank: int) -> ScoredRollout:
         """Epoch ``epoch``'s rollout, sampled ahead; first launch what sampling ahead needs next."""
@@ -437,15 +465,20 @@ class OnPolicyDataModule(L.LightningDataModule):
         prompt_ids, prompt_mask = self.encode(rows)
         return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "rows": rows}
 
-    def score_validation(self, rows: list[dict], completions: list[str]) -> torch.Tensor:
-        """Score greedy validation answers with ``val_reward``: ``[B]`` floats.
+    def score_validation(self, rows: list[dict], completions: list[str], environments: list | None = None
+                         ) -> torch.Tensor:
+        """Score greedy validation answers with ``val_reward``: ``[B]`` floats (0 where it does not apply).
 
         ``completions`` are the sampled texts; the completion prefix is put in front here.
+        ``environments``: each episode's environment, for a reward that reads them.
         """
         columns = columns_of(rows)
         prompts = columns.pop("prompt")
-        values = self.val_reward(prompts, self.full_completions(completions), **columns)
-        return torch.tensor([0.0 if v is None else float(v) for v in values])
+        supplied = {"environments": list(environments or [None] * len(rows))}
+        if self.trainer is not None:
+            supplied["trainer_state"] = self.trainer_state()
+        scores = self.val_scorer.score(prompts, self.full_completions(completions), columns, supplied)
+        return scores.per_function[self.val_scorer.names[0]].nan_to_num(0.0)
 
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:

@@ -3,23 +3,46 @@
 from __future__ import annotations
 
 
-def chat_prompts(tokenizer, prompts: list[str], system_prompt: str | None, prompt_template: str) -> list[str]:
-    """Wrap each prompt in ``prompt_template`` and the tokenizer's chat template.
+def chat_prompts(tokenizer, prompts: list, system_prompt: str | None, prompt_template: str) -> list[str]:
+    """Each prompt as the tokenizer's chat template renders it (:func:`prompt_messages`).
 
     Raises:
-        ValueError: The tokenizer has no chat template.
+        ValueError: The tokenizer has no chat template, or a prompt is neither text nor a conversation.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             "the tokenizer has no chat template, which the prompts need; use an instruct/chat "
             "model or set tokenizer.chat_template."
         )
-    texts = []
-    for prompt in prompts:
-        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        messages.append({"role": "user", "content": prompt_template.format(prompt=prompt)})
-        texts.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
-    return texts
+    return [tokenizer.apply_chat_template(prompt_messages(prompt, system_prompt, prompt_template), tokenize=False,
+                                          add_generation_prompt=True) for prompt in prompts]
+
+
+def prompt_messages(prompt, system_prompt: str | None, prompt_template: str, extra: str | None = None) -> list[dict]:
+    """A prompt as chat messages: text becomes one user message (wrapped in ``prompt_template``), a
+    conversation (TRL's conversational ``prompt``: a list of ``{role, content}``) is kept as it is;
+    ``system_prompt`` goes first unless the conversation has a system message; ``extra`` (an
+    environment's reset text) is appended to the last user message.
+
+    Raises:
+        ValueError: The prompt is neither a str nor a list of ``{role, content}`` messages.
+    """
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt_template.format(prompt=prompt)}]
+    elif (isinstance(prompt, list) and prompt
+          and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt)):
+        messages = [dict(m) for m in prompt]
+    else:
+        raise ValueError(f"a prompt is {str(prompt)[:80]!r} ({type(prompt).__name__}); expected text, or a "
+                         "conversation: a list of {'role': ..., 'content': ...} messages (data.columns maps "
+                         "another column to 'prompt').")
+    if system_prompt and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    if extra:
+        last = max(i for i, m in enumerate(messages) if m["role"] == "user") if any(
+            m["role"] == "user" for m in messages) else len(messages) - 1
+        messages[last] = {**messages[last], "content": f"{messages[last]['content']}\n\n{extra}"}
+    return messages
 
 
 def columns_of(rows: list[dict]) -> dict[str, list]:

@@ -1,4 +1,4 @@
-"""Where prompts come from: a built-in task, a local file, or a hub dataset.
+"""Where prompts come from: a built-in task, a local file, a hub dataset, or rows handed over in Python.
 
 Every source ends as a list of row dicts with at least ``prompt`` (and
 usually ``answer``), after the user's column map renamed the dataset's own
@@ -19,14 +19,65 @@ _LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".cs
 _TEXT_FORMATS = {".json", ".jsonl", ".csv"}
 
 
-def load_rows(source: str, split: str, task_args: dict | list[dict] | None, seed: int,
+class InMemory:
+    """Rows handed to a DataModule in Python as ``source`` (TRL's ``train_dataset``): a list of row
+    dicts, a ``datasets.Dataset``, or a ``datasets.DatasetDict`` (read by split).
+
+    Args:
+        data: The rows.
+
+    Raises:
+        ValueError: ``data`` is none of those, or an empty list.
+    """
+
+    def __init__(self, data) -> None:
+        self.data = data
+        kind = type(data).__name__
+        if isinstance(data, list):
+            if not data or not all(isinstance(row, dict) for row in data):
+                raise ValueError(f"data.source is a list of {len(data)} items; expected a non-empty list of row "
+                                 "dicts, e.g. [{'prompt': ..., 'answer': ...}].")
+            self.name = f"<a list of {len(data)} rows>"
+        elif kind == "DatasetDict":
+            self.name = f"<a DatasetDict of splits {sorted(data)}>"
+        elif kind == "Dataset":
+            self.name = f"<a Dataset of {len(data)} rows>"
+        else:
+            raise ValueError(f"data.source is a {kind}; expected a source name or path (str), a list of row "
+                             "dicts, or a datasets.Dataset / DatasetDict.")
+
+    def rows(self, split: str) -> list[dict]:
+        """The rows (of ``split`` for a DatasetDict).
+
+        Raises:
+            ValueError: A DatasetDict without ``split``.
+        """
+        if isinstance(self.data, list):
+            return [dict(row) for row in self.data]
+        if type(self.data).__name__ == "DatasetDict":
+            if split not in self.data:
+                raise ValueError(f"data.split={split!r}: data.source {self.name} has no such split; expected one "
+                                 f"of {sorted(self.data)}.")
+            return self.data[split].to_list()
+        return self.data.to_list()
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def in_memory(source):
+    """``source`` as :class:`InMemory` when it holds rows rather than naming them, else unchanged."""
+    return source if isinstance(source, str) else InMemory(source)
+
+
+def load_rows(source: str | InMemory, split: str, task_args: dict | list[dict] | None, seed: int,
               size: int | None) -> list[dict]:
     """Load raw rows (dataset column names) from ``source``.
 
     Args:
         source: A built-in task name (``arithmetic``, ``countdown``,
             ``word_problems``), a local ``.json/.jsonl/.parquet/.csv`` file,
-            or a hub dataset name.
+            a hub dataset name, or rows handed over in Python (:class:`InMemory`).
         split: The dataset split (hub and local sources).
         task_args: Keyword arguments for a built-in task, or a list of them
             (a mix: :func:`mixed_task`); ignored, with a warning, for other
@@ -34,6 +85,8 @@ def load_rows(source: str, split: str, task_args: dict | list[dict] | None, seed
         seed: Seed of a built-in task's generator.
         size: Rows to generate for a built-in task.
     """
+    if isinstance(source, InMemory):
+        return source.rows(split)
     if source in TASKS:
         if isinstance(task_args, list):
             return mixed_task(source, task_args, seed, size)

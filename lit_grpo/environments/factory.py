@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -39,46 +39,60 @@ class Environment(Protocol):
 
 
 class EnvironmentFactory:
-    """Builds one environment instance per episode from a class_path (+ init args) and checks it early.
+    """Builds one environment instance per episode and checks it early.
 
     Args:
-        class_path: Dotted path of the environment class
-            (``lit_grpo.environments.builtin.GuessNumber``).
-        init_args: Keyword arguments of the class's constructor.
+        environment: What builds an instance: the dotted path of the environment class
+            (``lit_grpo.environments.builtin.GuessNumber``, YAML's ``class_path``), the class,
+            or any zero-argument callable returning an instance (TRL's ``environment_factory``).
+        init_args: Keyword arguments of the class's constructor (not for a factory).
         field: How error messages name the configuration entry.
         timeout: Wall-clock seconds one tool call may run.
 
     Raises:
         ValueError: The class does not import, cannot be built from
-            ``init_args``, has no ``reset``, has no tool method, a tool
+            ``init_args``, builds something without ``reset``, has no tool method, a tool
             method lacks type hints or a docstring, or ``done`` (the flag
             that ends an episode) is a method.
 
     Attributes:
+        class_path: How messages name the environment (the dotted path, or the class's or factory's name).
         has_reward: The class defines ``get_reward`` (the environment owns a reward).
         tool_names: The names of its tool methods.
     """
 
-    def __init__(self, class_path: str, init_args: dict | None = None, *, field: str = "data.episodes.environment",
-                 timeout: float = 10.0) -> None:
-        self.class_path = class_path
+    def __init__(self, environment: str | Callable[[], object], init_args: dict | None = None, *,
+                 field: str = "data.episodes.environment", timeout: float = 10.0) -> None:
         self.init_args = dict(init_args or {})
         self.field = field
         self.timeout = timeout
-        self.cls = import_object(class_path, f"{field}.class_path")
-        if not inspect.isclass(self.cls):
-            raise ValueError(f"{field}.class_path={class_path!r} is a {type(self.cls).__name__}, not a class.")
+        if isinstance(environment, str):
+            self.class_path = environment
+            self.make = import_object(environment, f"{field}.class_path")
+            if not inspect.isclass(self.make):
+                raise ValueError(f"{field}.class_path={environment!r} is a {type(self.make).__name__}, not a class.")
+        elif callable(environment):
+            self.make = environment
+            self.class_path = f"{getattr(environment, '__module__', '?')}.{getattr(environment, '__qualname__', environment)}"
+            if self.init_args and not inspect.isclass(environment):
+                raise ValueError(f"{field}: init_args {self.init_args!r} given with the factory {self.class_path}; "
+                                 "a factory is called without arguments (bind them in it).")
+        else:
+            raise ValueError(f"{field}={environment!r}; expected {{class_path: ..., init_args: {{...}}}}, an "
+                             "environment class, or a zero-argument factory returning an instance.")
+        probe = self._instance()
+        self.cls = type(probe)
         if not callable(getattr(self.cls, "reset", None)):
-            raise ValueError(f"{field}: {class_path} has no reset(self, **row) method; an environment needs one "
-                             "(it may return None).")
+            made = "is" if inspect.isclass(self.make) else f"returns a {self.cls.__name__}, which is"
+            raise ValueError(f"{field}: {self.class_path} {made} no environment: it has no reset(self, **row) "
+                             "method (it may return None).")
         self.has_reward = callable(getattr(self.cls, "get_reward", None))
         if inspect.isfunction(getattr(self.cls, "done", None)):
-            raise ValueError(f"{field}: {class_path}.done is a method; make it a boolean attribute or a @property "
-                             "(True ends the episode after the turn's calls).")
-        probe = self._instance()
+            raise ValueError(f"{field}: {self.class_path}.done is a method; make it a boolean attribute or a "
+                             "@property (True ends the episode after the turn's calls).")
         toolbox = self._toolbox(probe)
         if not toolbox.names:
-            raise ValueError(f"{field}: {class_path} has no tool methods; give it at least one public method "
+            raise ValueError(f"{field}: {self.class_path} has no tool methods; give it at least one public method "
                              "with type hints and a Google-style docstring for the model to call.")
         self.tool_names = toolbox.names
 
@@ -115,7 +129,7 @@ class EnvironmentFactory:
 
     def _instance(self) -> object:
         try:
-            return self.cls(**self.init_args)
+            return self.make(**self.init_args)
         except Exception as error:
             raise ValueError(f"{self.field}: {self.class_path}(**{self.init_args!r}) raised "
                              f"{type(error).__name__}: {error}; check {self.field}.init_args.") from error
@@ -137,12 +151,14 @@ ENVIRONMENT_REWARD = "environment_reward"
 
 
 def environment_rewards(environments: list) -> list[float | None]:
-    """Each episode's ``get_reward()`` (``None`` where the episode has no environment).
+    """Each episode's ``get_reward()`` (``None`` where the episode has no environment, or one without
+    ``get_reward``).
 
     Raises:
         ValueError: A ``get_reward()`` returned something that is not a finite number.
     """
-    return [None if env is None else _environment_reward(env, row) for row, env in enumerate(environments)]
+    return [_environment_reward(env, row) if callable(getattr(env, "get_reward", None)) else None
+            for row, env in enumerate(environments)]
 
 
 def _environment_reward(environment, row: int) -> float:

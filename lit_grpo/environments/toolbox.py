@@ -21,6 +21,7 @@ text a model can use.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
 import json
@@ -102,19 +103,23 @@ class Toolbox:
             self.schemas.append(schema)
 
     @classmethod
-    def from_paths(cls, paths: Sequence[str], *, timeout: float = 10.0, field: str = "data.episodes.tools") -> Toolbox:
-        """Imports tools by dotted path, e.g. ``"lit_grpo.environments.builtin.calculator"``.
+    def from_config(cls, entries: Sequence[str | Callable], *, timeout: float = 10.0,
+                    field: str = "data.episodes.tools") -> Toolbox:
+        """Tools given as callables (TRL's ``tools=[...]``; sync or ``async def``) or dotted paths, e.g.
+        ``"lit_grpo.environments.builtin.calculator"``.
 
         Raises:
             ValueError: A path that does not import or does not name a callable,
                 or a tool without type hints or docstring; the message names
-                ``field[i]``, the path and what to fix.
+                ``field[i]``, the entry and what to fix.
         """
-        tools = [import_object(path, f"{field}[{i}]") for i, path in enumerate(paths)]
-        for i, (path, tool) in enumerate(zip(paths, tools)):
+        tools = []
+        for i, entry in enumerate(entries):
+            tool = import_object(entry, f"{field}[{i}]") if isinstance(entry, str) else entry
             if not callable(tool):
-                raise ValueError(f"{field}[{i}]={path!r} is a {type(tool).__name__}, not a callable; "
-                                 "name a function with type hints and a Google-style docstring.")
+                raise ValueError(f"{field}[{i}]={entry!r} is a {type(tool).__name__}, not a callable; "
+                                 "give a function with type hints and a Google-style docstring, or its dotted path.")
+            tools.append(tool)
         return cls(tools, timeout=timeout, field=field)
 
     @property
@@ -231,7 +236,8 @@ def _call_with_timeout(tool: Callable, call: ToolCall, timeout: float) -> ToolRe
 
     def target() -> None:
         try:
-            outcome["value"] = tool(**call.arguments)
+            value = tool(**call.arguments)
+            outcome["value"] = asyncio.run(value) if inspect.isawaitable(value) else value  # an async def tool
         except BaseException as error:  # SystemExit / KeyboardInterrupt from a tool must not end the run
             outcome["error"] = error
 

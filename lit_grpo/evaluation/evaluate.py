@@ -153,7 +153,7 @@ def evaluate(module: GRPOModule, datamodule: OnPolicyDataModule, samples: int, p
             batch = datamodule.collate_val(rows[start : start + size])
             answers = module.engine.generate(batch["prompt_ids"], batch["prompt_mask"], sampling, greedy=True,
                                              episodes=batch.get("episodes"))
-            scores = datamodule.score_validation(batch["rows"], answers.texts).tolist()
+            scores = datamodule.score_validation(batch["rows"], answers.texts, batch.get("environments")).tolist()
             greedy += scores
             records += answers.episodes or []
             rewards = environment_rewards(batch["environments"]) if scored else []
@@ -163,12 +163,13 @@ def evaluate(module: GRPOModule, datamodule: OnPolicyDataModule, samples: int, p
                 transcripts += _transcripts(datamodule, batch["rows"], answers, scores, rewards)
             if samples:
                 episodes = None
+                ids, mask, repeat, environments = batch["prompt_ids"], batch["prompt_mask"], samples, None
                 if datamodule.episodes is not None:  # a fresh environment per sampled episode
-                    *_, episodes, _ = datamodule.episodes.start(datamodule, batch["rows"], samples)
-                texts = module.engine.generate(batch["prompt_ids"], batch["prompt_mask"], sampling,
-                                               repeat=samples, episodes=episodes).texts
+                    ids, mask, episodes, environments = datamodule.episodes.start(datamodule, batch["rows"], samples)
+                    repeat = episodes.repeat(ids.shape[0])
+                texts = module.engine.generate(ids, mask, sampling, repeat=repeat, episodes=episodes).texts
                 repeated = [row for row in batch["rows"] for _ in range(samples)]
-                scores = datamodule.score_validation(repeated, texts).view(-1, samples)  # [B, samples]
+                scores = datamodule.score_validation(repeated, texts, environments).view(-1, samples)  # [B, samples]
                 for k in pass_k:
                     passes[k] += [pass_at_k(samples, int((row > 0.5).sum()), k) for row in scores]
             bar.update(len(batch["rows"]))

@@ -76,6 +76,11 @@ class EpisodePlan:
     turn_prefix: str = ""
     environments: list = field(default_factory=list)
 
+    def repeat(self, prompts: int) -> int:
+        """Episodes per prompt row, for ``prompts`` rows of prompts: the group size when a group shares
+        its prompt, 1 when each episode has its own (an environment's reset text varies)."""
+        return len(self.toolboxes) // prompts
+
 
 @dataclass
 class EpisodeRecord:

@@ -43,6 +43,7 @@ def completion_logprobs(
     temperature: float,
     with_entropy: bool = False,
     completion_attention: torch.Tensor | None = None,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs of the completion under ``model``.
 
@@ -77,7 +78,9 @@ def completion_logprobs(
         completion_ids: ``[N, C]`` right-padded completion token ids.
         completion_mask: ``[N, C]`` 1 for the tokens the policy sampled (the model-token mask).
         temperature: The sampling temperature; logits are divided by it.
-        with_entropy: Also return each position's entropy (no grad).
+        with_entropy: Also return each position's entropy.
+        entropy_grad: The entropy trains (an entropy bonus): differentiable on every path (the
+            fused head's always is; the logits path then holds the ``[n, c, V]`` probabilities).
         completion_attention: ``[N, C]`` 1 for every real completion token, the
             policy's and a tool's or environment's (an episode, see
             :mod:`lit_grpo.generation.episodes`): what the passes attend to and
@@ -106,7 +109,8 @@ def completion_logprobs(
             part, part_entropy = head_logprobs(chunk, head.weight, tokens, temperature, with_entropy)
         else:
             part = token_logprobs(chunk, tokens, temperature=temperature)
-            part_entropy = token_entropy(chunk.detach(), temperature=temperature) if with_entropy else None
+            part_entropy = (token_entropy(chunk if entropy_grad else chunk.detach(), temperature=temperature,
+                                          grad=entropy_grad) if with_entropy else None)
         if logprobs is None:  # columns no pass covered (padding past a row's end) stay 0
             logprobs = part.new_zeros(completion_ids.shape)  # [N, C]
             entropy = part.new_zeros(completion_ids.shape) if with_entropy else None

@@ -3,7 +3,9 @@
 Pipeline, one rollout batch of B prompts x G completions (N = B*G rows):
 
 * :func:`group_advantages` -- rewards ``[N]`` -> one advantage per completion,
-  normalised within its group (docs/design.md, "The objective", 1). The other advantage
+  normalised within its group (docs/design.md, "The objective", 1);
+  :func:`decoupled_group_advantages` -- several rewards ``[N, K]``, each
+  normalised in its group before they are summed (GDPO). The other advantage
   estimators (``rloo``, ``reinforce_pp``, ``gae``) and how a config picks one
   are in :mod:`lit_grpo.objectives.estimators`.
 * :func:`token_logprobs` -- logits ``[N, T, V]`` + sampled tokens ``[N, T]`` ->
@@ -11,8 +13,10 @@ Pipeline, one rollout batch of B prompts x G completions (N = B*G rows):
   ever held (section 2). :func:`token_entropy` is its logging companion.
   :func:`head_logprobs` goes one step further: hidden states + output head ->
   log-probs (and entropy), the logits never held at all.
-* :func:`grpo_loss` -- clipped surrogate + k3 KL, aggregated by ``loss_type``
-  (sections 3-6); returns a :class:`LossOutput` with ``.loss`` and ``.metrics``.
+* :func:`grpo_loss` -- the policy surrogate (clipped; CISPO's capped
+  REINFORCE; SAPO's soft gate) + k3 KL (+ an entropy bonus, or training on the
+  highest-entropy tokens only), aggregated by ``loss_type`` (sections 3-6);
+  returns a :class:`LossOutput` with ``.loss`` and ``.metrics``.
   Its advantages are ``[N]`` (one per completion) or ``[N, T]`` (one per
   token, e.g. REINFORCE++'s).
 
@@ -31,7 +35,7 @@ Other objectives belong in their own module here and return the same
 :class:`LossOutput`.
 """
 
-from lit_grpo.objectives.advantages import Advantages, group_advantages
+from lit_grpo.objectives.advantages import Advantages, decoupled_group_advantages, group_advantages
 from lit_grpo.objectives.dpo import dpo_loss, sequence_logps
 from lit_grpo.objectives.estimators import (
     TokenAdvantages,
@@ -50,6 +54,7 @@ from lit_grpo.objectives.sft import bradley_terry_loss, sft_loss
 __all__ = [
     "Advantages",
     "bradley_terry_loss",
+    "decoupled_group_advantages",
     "LossOutput",
     "TokenAdvantages",
     "discounted_returns",

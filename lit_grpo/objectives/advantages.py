@@ -101,3 +101,50 @@ def group_advantages(
         advantages=advantages.reshape(-1).to(out_dtype),  # [N]
         collapsed=collapsed.expand_as(grouped).reshape(-1),  # [N]
     )
+
+
+def decoupled_group_advantages(
+    rewards: Tensor, weights: Tensor, group_size: int, eps: float = 1e-4
+) -> Advantages:
+    """GDPO's multi-reward advantages: each reward normalised in its group, then summed.
+
+    Each reward k is centred on its group's mean and divided by its group's
+    population std (+ ``eps``), a collapsed group (or a value that does not
+    apply, NaN) giving 0; the weighted sum over rewards is then divided by
+    its std over all N completions. One reward with a large spread no longer
+    drowns the others, as it does when the rewards are summed first
+    (Liu et al. 2026, "GDPO"; TRL's ``multi_objective_aggregation:
+    normalize_then_sum``).
+
+    Args:
+        rewards: ``[N, K]`` raw values of K rewards per completion (NaN where one
+            does not apply), the G completions of a prompt in consecutive rows.
+        weights: ``[K]`` the rewards' weights.
+        group_size: G, at least 2.
+        eps: Added to every std.
+
+    Returns:
+        :class:`Advantages`; ``collapsed`` marks groups where every reward collapsed.
+
+    Raises:
+        ValueError: ``rewards`` is not 2-D, ``weights`` does not have K entries,
+            ``group_size < 2``, or N is not a multiple of it.
+    """
+    if rewards.dim() != 2 or weights.shape != rewards.shape[1:]:
+        raise ValueError(f"rewards must be [N, K] and weights [K], got {tuple(rewards.shape)} and "
+                         f"{tuple(weights.shape)}")
+    if group_size < 2 or rewards.shape[0] % group_size != 0:
+        raise ValueError(f"group_size={group_size} must be >= 2 and divide N={rewards.shape[0]}")
+    grouped = rewards.detach().to(torch.float64).view(-1, group_size, rewards.shape[1])  # [B, G, K]
+    applies = ~torch.isnan(grouped)  # [B, G, K]
+    count = applies.sum(1, keepdim=True).clamp(min=1)  # [B, 1, K]
+    values = grouped.nan_to_num(0.0)
+    mean = values.sum(1, keepdim=True) / count  # [B, 1, K]
+    std = (((values - mean) * applies) ** 2).sum(1, keepdim=True).div(count).sqrt()  # [B, 1, K]
+    collapsed = std <= COLLAPSE_RTOL * (1.0 + mean.abs())  # [B, 1, K]
+    normalised = ((values - mean) / (std + eps)).masked_fill(collapsed | ~applies, 0.0)  # [B, G, K]
+    total = (normalised * weights.to(torch.float64)).sum(-1)  # [B, G]
+    every_collapsed = collapsed.all(-1)  # [B, 1]
+    advantages = (total / (total.std(correction=0) + eps)).masked_fill(every_collapsed, 0.0)  # [B, G]
+    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
+    return Advantages(advantages.reshape(-1).to(out_dtype), every_collapsed.expand_as(total).reshape(-1))

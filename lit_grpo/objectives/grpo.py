@@ -91,11 +91,40 @@ class _Aggregation(NamedTuple):
     norm_arg: str | None  # the grpo_loss keyword that supplies `norm`, if any
 
 
-_LOSS_TYPES: dict[str, _Aggregation] = {
-    "grpo": _Aggregation(_mean_per_sequence, None),
-    "bnpo": _Aggregation(_mean_per_token, None),
-    "dapo": _Aggregation(_sum_over_norm, "num_items"),
-    "dr_grpo": _Aggregation(_sum_over_rows_times_norm, "max_completion_length"),
+def _clipped(ratio: Tensor, adv: Tensor, logprobs: Tensor, options: dict) -> Tensor:
+    # PPO's pessimistic clipped surrogate.
+    clipped = torch.clamp(ratio, 1.0 - options["epsilon_low"], 1.0 + options["epsilon_high"])
+    return -torch.minimum(ratio * adv, clipped * adv)
+
+
+def _cispo(ratio: Tensor, adv: Tensor, logprobs: Tensor, options: dict) -> Tensor:
+    # CISPO (MiniMax-M1): REINFORCE on log pi weighted by the importance ratio capped at 1 + epsilon_high and
+    # detached; no token's gradient is switched off, a far-off one is only down-weighted.
+    weight = torch.clamp(ratio, max=1.0 + options["epsilon_high"]).detach()
+    return -weight * adv * logprobs
+
+
+def _sapo(ratio: Tensor, adv: Tensor, logprobs: Tensor, options: dict) -> Tensor:
+    # SAPO (Qwen): a soft gate 4/tau * sigmoid(tau * (ratio - 1)) in place of the hard clip; its slope is 1 at
+    # ratio 1 (the policy gradient) and fades away from it, faster for negative advantages (tau_neg > tau_pos).
+    tau = torch.where(adv > 0, options["sapo_temperature_pos"], options["sapo_temperature_neg"])
+    return -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * adv
+
+
+class _LossType(NamedTuple):
+    surrogate: Callable[[Tensor, Tensor, Tensor, dict], Tensor]  # (ratio, adv, logprobs, options) -> [N, T]
+    aggregation: _Aggregation
+
+
+_MEAN_PER_SEQUENCE = _Aggregation(_mean_per_sequence, None)
+_SUM_OVER_ITEMS = _Aggregation(_sum_over_norm, "num_items")
+_LOSS_TYPES: dict[str, _LossType] = {
+    "grpo": _LossType(_clipped, _MEAN_PER_SEQUENCE),
+    "bnpo": _LossType(_clipped, _Aggregation(_mean_per_token, None)),
+    "dapo": _LossType(_clipped, _SUM_OVER_ITEMS),
+    "dr_grpo": _LossType(_clipped, _Aggregation(_sum_over_rows_times_norm, "max_completion_length")),
+    "cispo": _LossType(_cispo, _SUM_OVER_ITEMS),
+    "sapo": _LossType(_sapo, _MEAN_PER_SEQUENCE),
 }
 # The accepted names, for callers that validate a config before any compute.
 LOSS_TYPES = tuple(_LOSS_TYPES)
@@ -165,8 +194,13 @@ def grpo_loss(
     max_completion_length: int | None = None,
     num_items: int | float | Tensor | None = None,
     importance_weights: Tensor | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    entropies: Tensor | None = None,
+    entropy_coef: float = 0.0,
+    top_entropy_quantile: float = 1.0,
 ) -> LossOutput:
-    """Clipped GRPO surrogate with a k3 KL penalty, aggregated by ``loss_type``.
+    """GRPO's policy surrogate with a k3 KL penalty (and an entropy bonus), aggregated by ``loss_type``.
 
     Args:
         logprobs: ``[N, T]`` log-probs of the sampled tokens under the current
@@ -185,9 +219,13 @@ def grpo_loss(
         epsilon_low: Lower clip range, ratio floored at ``1 - epsilon_low``.
         epsilon_high: Upper clip range, ratio capped at ``1 + epsilon_high``
             (0.28 is DAPO's clip-higher).
-        loss_type: "grpo" (mean over rows of each row's token mean), "bnpo"
-            (token mean over the micro-batch), "dapo" (token sum / ``num_items``)
-            or "dr_grpo" (token sum / (N * ``max_completion_length``)).
+        loss_type: The clipped surrogate aggregated as "grpo" (mean over rows of
+            each row's token mean), "bnpo" (token mean over the micro-batch),
+            "dapo" (token sum / ``num_items``) or "dr_grpo" (token sum /
+            (N * ``max_completion_length``)); or another surrogate: "cispo"
+            (MiniMax-M1: ``-sg(min(ratio, 1 + epsilon_high)) * A * logprobs``,
+            aggregated as "dapo") or "sapo" (Qwen's soft gate
+            ``-4/tau * sigmoid(tau * (ratio - 1)) * A``, aggregated as "grpo").
         importance_level: "token" (one ratio per token) or "sequence" (GSPO:
             ``exp`` of the row's mean token log-ratio, shared by its tokens).
         max_completion_length: Generation length cap; required by "dr_grpo".
@@ -198,6 +236,16 @@ def grpo_loss(
             importance-sampling correction ``min(pi_old / pi_sampler, C)``
             for completions sampled by an engine whose distribution differs
             from the trainer's. ``None`` weighs every token 1.
+        sapo_temperature_pos: "sapo"'s tau where the advantage is positive.
+        sapo_temperature_neg: "sapo"'s tau elsewhere (larger: the gate closes faster).
+        entropies: ``[N, T]`` the policy's entropy at each position; required by
+            ``entropy_coef > 0`` (with grad) and ``top_entropy_quantile < 1``.
+        entropy_coef: Weight of the entropy bonus: ``entropy_coef`` times the
+            entropy, aggregated like the surrogate, is subtracted from the loss.
+        top_entropy_quantile: Train the surrogate on this fraction of the real
+            tokens with the highest entropy only (TRL's ``top_entropy_quantile``,
+            the "80/20" forking tokens; computed over this micro-batch); 1.0
+            trains on all. The KL term keeps every token.
 
     Returns:
         :class:`LossOutput`: scalar ``loss``; ``metrics`` with ``clip_ratio/low``,
@@ -212,7 +260,11 @@ def grpo_loss(
     """
     _check_choice("loss_type", loss_type, _LOSS_TYPES)
     _check_choice("importance_level", importance_level, _IMPORTANCE_LEVELS)
-    aggregation = _LOSS_TYPES[loss_type]
+    if not 0 < top_entropy_quantile <= 1:
+        raise ValueError(f"top_entropy_quantile must be in (0, 1], got {top_entropy_quantile}")
+    if entropies is None and (entropy_coef != 0 or top_entropy_quantile < 1):
+        raise ValueError("entropy_coef != 0 or top_entropy_quantile < 1 needs entropies; pass them")
+    surrogate, aggregation = _LOSS_TYPES[loss_type]
     norm = {"num_items": num_items, "max_completion_length": max_completion_length}.get(
         aggregation.norm_arg
     )
@@ -233,19 +285,41 @@ def grpo_loss(
     log_ratio = torch.where(real, logprobs - old_logprobs, 0.0)  # [N, T]
     ratio = torch.exp(_IMPORTANCE_LEVELS[importance_level](log_ratio, mask))  # [N, T] or [N, 1]
     adv = _broadcastable_advantages(advantages.to(logprobs.dtype), real)  # [N, 1] or [N, T]
-    clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
-    per_token = -torch.minimum(ratio * adv, clipped * adv).expand_as(mask)  # [N, T]
+    options = {"epsilon_low": epsilon_low, "epsilon_high": epsilon_high,
+               "sapo_temperature_pos": sapo_temperature_pos, "sapo_temperature_neg": sapo_temperature_neg}
+    masked_logprobs = torch.where(real, logprobs, 0.0)  # [N, T]
+    per_token = surrogate(ratio, adv, masked_logprobs, options).expand_as(mask)  # [N, T]
     if importance_weights is not None:
         _check_shapes(logprobs, advantages, importance_weights=importance_weights)
         per_token = per_token * importance_weights.detach().to(per_token.dtype)
 
     metrics = _clip_metrics(ratio.detach().expand_as(mask), adv, mask, epsilon_low, epsilon_high)
+    if entropies is not None:
+        _check_shapes(logprobs, advantages, entropies=entropies)
+        (entropies,) = at_least_fp32(entropies)
+        entropies = torch.where(real, entropies, 0.0)  # [N, T]
+        if top_entropy_quantile < 1:
+            keep = high_entropy_mask(entropies.detach(), real, top_entropy_quantile)  # [N, T]
+            per_token = per_token * keep
+            metrics["entropy/trained_fraction"] = _masked_mean(keep, mask)
+        if entropy_coef != 0:
+            per_token = per_token - entropy_coef * entropies
     if beta > 0:
         kl = _k3_kl(ref_logprobs, logprobs, real)  # [N, T]
         per_token = per_token + beta * kl
         metrics["kl"] = _masked_mean(kl, mask)
     loss = aggregation.reduce(per_token, mask, norm)
     return LossOutput(loss=loss, metrics=metrics)
+
+
+def high_entropy_mask(entropies: Tensor, real: Tensor, quantile: float) -> Tensor:
+    """``[N, T]`` 1.0 at the real tokens whose entropy is among the top ``quantile`` of the real tokens'
+    (at or above their ``1 - quantile`` quantile), 0.0 elsewhere."""
+    values = entropies[real]
+    if values.numel() == 0:
+        return real.to(entropies.dtype)
+    threshold = torch.quantile(values.float(), 1.0 - quantile)
+    return (real & (entropies >= threshold)).to(entropies.dtype)
 
 
 def _clip_metrics(

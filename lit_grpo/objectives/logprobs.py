@@ -156,30 +156,35 @@ def token_logprobs(
     return _ChunkedTokenLogprobs.apply(logits, tokens.long(), float(temperature), int(chunk_size))
 
 
-@torch.no_grad()
 def token_entropy(
-    logits: Tensor, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE
+    logits: Tensor, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE, grad: bool = False
 ) -> Tensor:
-    """Entropy of ``softmax(logits / temperature)`` at each position, for logging.
+    """Entropy of ``softmax(logits / temperature)`` at each position.
 
-    Computed chunk-wise like :func:`token_logprobs`, without gradient.
+    Without ``grad`` (for logging) it is computed chunk-wise like
+    :func:`token_logprobs` and detached; with ``grad`` (an entropy bonus) in
+    one differentiable pass that holds the ``[N, T, V]`` probabilities.
 
     Args:
         logits: ``[N, T, V]`` logits (fp32, bf16 or fp16).
         temperature: The sampling temperature.
         chunk_size: Positions processed at once.
+        grad: Differentiable w.r.t. ``logits``.
 
     Returns:
-        ``[N, T]`` fp32 entropies in nats (float64 for float64 logits), detached.
+        ``[N, T]`` fp32 entropies in nats (float64 for float64 logits).
 
     Raises:
         ValueError: ``logits`` is not 3-D, ``temperature <= 0`` or ``chunk_size < 1``.
     """
     _check_inputs(logits, temperature, chunk_size)
+    if grad:
+        return _chunk_entropy(logits.to(_compute_dtype(logits)), temperature)
     n_rows, n_positions, _ = logits.shape
     out = logits.new_empty((n_rows, n_positions), dtype=_compute_dtype(logits))  # [N, T]
-    for rows, positions in _chunks(n_rows, n_positions, chunk_size):
-        out[rows, positions] = _chunk_entropy(logits[rows, positions], temperature)
+    with torch.no_grad():
+        for rows, positions in _chunks(n_rows, n_positions, chunk_size):
+            out[rows, positions] = _chunk_entropy(logits[rows, positions], temperature)
     return out
 
 
@@ -193,10 +198,11 @@ class _HeadLogprobs(torch.autograd.Function):
     """Log-probs (and entropy) straight from hidden states through the output head.
 
     The ``[M, V]`` logits exist one chunk at a time, in both directions: the
-    forward keeps only the chosen token's log-prob; the backward recomputes
-    each chunk's softmax and multiplies ``(onehot - softmax) * grad / T`` back
-    through the head into the hidden states' (and, if it trains, the head
-    weight's) gradient.
+    forward keeps only the chosen token's log-prob (and the entropy); the
+    backward recomputes each chunk's softmax and multiplies
+    ``(onehot - softmax) * grad / T`` (plus, where the entropy has a gradient,
+    ``-softmax * (log softmax + H) * grad_H / T``) back through the head into
+    the hidden states' (and, if it trains, the head weight's) gradient.
     """
 
     @staticmethod
@@ -212,19 +218,24 @@ class _HeadLogprobs(torch.autograd.Function):
                 entropy[rows] = chunk_entropy
         ctx.save_for_backward(hidden, weight, tokens)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)  # an entropy only logged gets no gradient: None, nothing computed
         return logprobs, entropy
 
     @staticmethod
-    def backward(ctx, grad_logprobs: Tensor, _grad_entropy: Tensor):
+    def backward(ctx, grad_logprobs: Tensor | None, grad_entropy: Tensor | None):
         hidden, weight, tokens = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         compute = torch.promote_types(weight.dtype, torch.float32)
         grad_weight = torch.zeros_like(weight, dtype=compute) if ctx.needs_input_grad[1] else None
+        if grad_logprobs is None:
+            grad_logprobs = hidden.new_zeros(tokens.shape, dtype=compute)
         for start in range(0, len(tokens), ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
             scaled = hidden[rows] / ctx.temperature  # [m, H]
-            grad_logits = _chunk_grad(scaled.to(weight.dtype) @ weight.T, tokens[rows], grad_logprobs[rows], 1.0)
+            logits = scaled.to(weight.dtype) @ weight.T  # [m, V]
+            grad_logits = _chunk_grad(logits, tokens[rows], grad_logprobs[rows], 1.0)
+            if grad_entropy is not None:
+                grad_logits += _entropy_grad(logits, grad_entropy[rows])
             if grad_hidden is not None:
                 grad_hidden[rows] = (grad_logits.to(weight.dtype) @ weight) / ctx.temperature  # [m, H]
             if grad_weight is not None:
@@ -232,6 +243,14 @@ class _HeadLogprobs(torch.autograd.Function):
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None
+
+
+def _entropy_grad(logits: Tensor, grad_out: Tensor) -> Tensor:
+    # dH / dx_j = -p_j (log p_j + H) for H = -sum p log p; 0 where p is 0 (masked vocabulary).
+    logp = torch.log_softmax(logits.to(grad_out.dtype), dim=-1)  # [m, V]
+    p = logp.exp()
+    entropy = -(p * logp).nansum(-1, keepdim=True)  # [m, 1]
+    return torch.where(p > 0, -p * (logp + entropy), 0.0) * grad_out.unsqueeze(-1)  # [m, V]
 
 
 # The chunk bodies are the logits path's own (_log_softmax, _chosen, _entropy,
@@ -266,7 +285,8 @@ def head_logprobs(
         weight: ``[V, H]`` output head (no bias).
         tokens: ``[...]`` token ids.
         temperature: Logits are divided by it.
-        with_entropy: Also return the entropy of each position's distribution (no grad).
+        with_entropy: Also return the entropy of each position's distribution (differentiable:
+            an entropy bonus trains through it; only logged, it costs no backward work).
         chunk_size: Rows per chunk.
 
     Returns:

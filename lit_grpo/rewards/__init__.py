@@ -1,17 +1,20 @@
 """Rewards: the protocol, the combiner, the verifiable built-ins, the sandbox, and a trained reward model.
 
 A reward function is any ``f(prompts, completions, **columns) -> list[float | None]``
-(see :mod:`lit_grpo.rewards.base`). The built-ins are plain functions of that
+that may also name TRL's ``completion_ids``, ``environments``, ``trainer_state``
+and ``log_metric`` (see :mod:`lit_grpo.rewards.base`). The built-ins are plain functions of that
 shape, each with a YAML-configurable class form that carries its weight and
 parameters.
 """
 
 from lit_grpo.rewards.base import (
+    SUPPLIED,
     FromCallable,
     Reward,
     RewardCombiner,
     RewardFunctionError,
     RewardScores,
+    TrainerState,
     import_reward,
 )
 from lit_grpo.rewards.code import CodeUnitTests, code_unit_tests
@@ -52,6 +55,8 @@ __all__ = [
     "RewardScores",
     "Sandbox",
     "SandboxResult",
+    "SUPPLIED",
+    "TrainerState",
     "accuracy",
     "code_unit_tests",
     "countdown",

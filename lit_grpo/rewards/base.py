@@ -4,25 +4,52 @@ A reward function is any callable
 ``f(prompts: list[str], completions: list[str], **columns) -> list[float | None]``:
 ``columns`` are the batch's other dataset columns as lists (the same calling
 convention as TRL's ``GRPOTrainer``, so its reward functions port unchanged)
-and ``None`` means "does not apply to this row". The combiner calls each
-function once per batch, checks what it returned, and forms the weighted sum
-of the applicable values per row.
+and ``None`` means "does not apply to this row". A function may also name
+what TRL passes beside them (:data:`SUPPLIED`): ``completion_ids`` (each
+completion's token ids), ``environments`` (each episode's environment
+instance, ``None`` without one), ``trainer_state`` (:class:`TrainerState`:
+global step, epoch, max steps) and ``log_metric(name, value)`` (a number
+logged with the rollout's statistics); one that takes ``**kwargs`` gets them
+all. ``async def`` rewards are awaited, all of a batch's concurrently. The
+combiner calls each function once per batch, checks what it returned, and
+forms the weighted sum of the applicable values per row.
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
 import importlib
+import inspect
 import math
 import numbers
 import warnings
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
 RewardFn = Callable[..., Sequence[float | None]]
+
+# What a reward function may name beside the rows' columns, as TRL's GRPOTrainer passes them.
+SUPPLIED = ("prompts", "completions", "completion_ids", "environments", "trainer_state", "log_metric")
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """Where training is, for rewards that change with it (curricula): TRL's ``trainer_state``.
+
+    Attributes:
+        global_step: Optimizer steps taken so far.
+        epoch: The current epoch.
+        max_steps: Optimizer steps the run will take, ``-1`` where unknown.
+    """
+
+    global_step: int
+    epoch: int
+    max_steps: int = -1
 
 
 class Reward(abc.ABC):
@@ -39,6 +66,8 @@ class Reward(abc.ABC):
     default_name: str = "reward"
     # Dataset columns the reward reads: checked against the data before any sampling.
     required_columns: tuple[str, ...] = ()
+    # Names of SUPPLIED beyond prompts and completions that __call__ reads (passed as keyword arguments).
+    extra_arguments: tuple[str, ...] = ()
 
     def __init__(self, weight: float = 1.0, name: str | None = None) -> None:
         if not math.isfinite(weight):
@@ -142,8 +171,18 @@ class RewardCombiner:
         self._warned: set[str] = set()
 
     def check_columns(self, available: Sequence[str], source: str) -> None:
-        """Raise before any sampling if a reward needs a dataset column that ``source`` lacks."""
+        """Raise before any sampling if a reward needs a dataset column that ``source`` lacks, or
+        names an argument that is neither a column nor one of :data:`SUPPLIED`."""
         for name, fn, _ in self.entries:
+            named, _ = _arguments(fn)
+            unknown = [a for a in named if a not in SUPPLIED and a not in available]
+            if unknown:
+                raise ValueError(
+                    f"Reward {name!r} takes the argument {unknown[0]!r}, which lit_grpo cannot supply: a reward "
+                    f"may take {', '.join(SUPPLIED)} and the columns of data.source={source!r} "
+                    f"({', '.join(sorted(available))}); give {unknown[0]!r} a default, or map a column to it "
+                    "with data.columns."
+                )
             missing = [c for c in getattr(fn, "required_columns", ()) if c not in available]
             if missing:
                 raise ValueError(
@@ -164,13 +203,17 @@ class RewardCombiner:
         """The rewards' names, in order."""
         return [name for name, _, _ in self.entries]
 
-    def score(self, prompts: list[str], completions: list[str], columns: dict[str, list]) -> RewardScores:
+    def score(self, prompts: list[str], completions: list[str], columns: dict[str, list],
+              supplied: dict[str, Any] | None = None) -> RewardScores:
         """Scores a batch.
 
         Args:
             prompts: ``N`` prompts (repeated once per completion of a group).
             completions: ``N`` decoded completions.
             columns: Other per-row columns (e.g. ``answer``, ``completion_length``), each of length ``N``.
+            supplied: Values of :data:`SUPPLIED` beyond prompts and completions (``completion_ids``,
+                ``environments``, ``trainer_state``, ``log_metric``), each passed to the rewards that
+                name it or take ``**kwargs``.
 
         Returns:
             The weighted totals and the raw values per reward.
@@ -183,19 +226,29 @@ class RewardCombiner:
                 raise ValueError(f"Column name {key!r} clashes with a reward argument")
             if len(values) != n:
                 raise ValueError(f"Column {key!r} has {len(values)} rows for {n} completions")
+        supplied = supplied or {}
+        calls = [(name, fn, {**columns, **_wanted(fn, supplied)}) for name, fn, _ in self.entries]
+        # async rewards first, all together; their results (or errors) are then checked in order
+        pending = {name: fn(prompts=prompts, completions=completions, **kwargs)
+                   for name, fn, kwargs in calls if _is_async(fn)}
+        awaited = dict(zip(pending, _await_all(list(pending.values())))) if pending else {}
         total = torch.zeros(n, dtype=torch.float64)
         per_function = {}
-        for name, fn, weight in self.entries:
-            values = self._call(name, fn, prompts, completions, columns)  # [N], NaN = n/a
+        for (name, fn, kwargs), (_, _, weight) in zip(calls, self.entries):
+            values = self._call(name, fn, prompts, completions, kwargs, awaited.get(name, _NOT_RUN))  # [N], NaN=n/a
             applicable = ~torch.isnan(values)
             total += torch.where(applicable, values * weight, torch.zeros_like(values))
             per_function[name] = values.float()
         return RewardScores(total.float(), per_function)
 
     def _call(self, name: str, fn: RewardFn, prompts: list[str], completions: list[str],
-              columns: dict[str, list]) -> torch.Tensor:
+              columns: dict[str, Any], result: Any) -> torch.Tensor:
         try:
-            raw = fn(prompts=prompts, completions=completions, **columns)
+            if result is _NOT_RUN:
+                result = fn(prompts=prompts, completions=completions, **columns)
+            if isinstance(result, BaseException):  # raised while awaited
+                raise result
+            raw = result
         except Exception as e:
             if self.on_error == "zero":
                 if name not in self._warned:
@@ -253,9 +306,69 @@ def _failing_row(fn: RewardFn, prompts: list[str], completions: list[str],
                  columns: dict[str, list]) -> int | None:
     """Re-runs ``fn`` one row at a time to find the first row that raises."""
     for i in range(len(completions)):
-        row = {k: v[i : i + 1] for k, v in columns.items()}
+        row = {k: v[i : i + 1] if isinstance(v, list) else v for k, v in columns.items()}
         try:
-            fn(prompts=prompts[i : i + 1], completions=completions[i : i + 1], **row)
+            result = fn(prompts=prompts[i : i + 1], completions=completions[i : i + 1], **row)
+            if inspect.isawaitable(result):
+                [result] = _await_all([result])
+                if isinstance(result, BaseException):
+                    raise result
         except Exception:
             return i
     return None
+
+
+_NOT_RUN = object()  # a reward that was not awaited ahead of the others
+
+
+def _target(fn: RewardFn):
+    """What a reward calls in the end: the function a :class:`Reward` wraps (``FromCallable``,
+    episodes' wrappers), or the callable itself."""
+    while isinstance(fn, Reward) and callable(getattr(fn, "function", None)):
+        fn = fn.function
+    return fn
+
+
+def _arguments(fn: RewardFn) -> tuple[list[str], bool]:
+    """The parameters a reward names without a default, beyond prompts and completions, and whether
+    it takes ``**kwargs``. A :class:`Reward` without a wrapped function names its ``extra_arguments``."""
+    target = _target(fn)
+    if isinstance(target, Reward):
+        return list(target.extra_arguments), False
+    try:
+        parameters = inspect.signature(target).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: columns only, as before
+        return [], False
+    named = [p.name for p in parameters if p.default is inspect.Parameter.empty
+             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in ("prompts", "completions")]
+    return named, any(p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+def _wanted(fn: RewardFn, supplied: dict[str, Any]) -> dict[str, Any]:
+    """The values of ``supplied`` that ``fn`` names (all of them for ``**kwargs``)."""
+    target = _target(fn)
+    if isinstance(target, Reward):
+        return {k: v for k, v in supplied.items() if k in target.extra_arguments}
+    try:
+        parameters = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        return dict(supplied)
+    return {k: v for k, v in supplied.items() if k in parameters}
+
+
+def _is_async(fn: RewardFn) -> bool:
+    target = _target(fn)
+    return inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(getattr(target, "__call__", None))
+
+
+def _await_all(awaitables: list) -> list:
+    """Await ``awaitables`` concurrently: their results, or the exceptions they raised. Runs its own
+    event loop in a helper thread, so it also works where a loop is running already (Jupyter)."""
+
+    async def gather():
+        return await asyncio.gather(*awaitables, return_exceptions=True)
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, gather()).result()

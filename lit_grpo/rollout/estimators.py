@@ -15,8 +15,8 @@ from typing import NamedTuple
 
 from torch import Tensor
 
-from lit_grpo.objectives import (gae_advantages, group_advantages, ppo_token_rewards, reinforce_pp_advantages,
-                                 rloo_advantages, whiten)
+from lit_grpo.objectives import (decoupled_group_advantages, gae_advantages, group_advantages, ppo_token_rewards,
+                                 reinforce_pp_advantages, rloo_advantages, whiten)
 
 
 @dataclass(frozen=True)
@@ -28,16 +28,26 @@ class AdvantageInputs:
         scale: ``data.advantage_scale`` (``group``, ``batch`` or ``none``).
         options: The objective's numbers (see the module docstring).
         batch_size: Rows scored together by a pass of the policy (the critic's values).
+        per_reward: ``[N, K]`` each reward's raw values (NaN where one does not apply), and
+            ``weights`` ``[K]`` their weights: for ``normalize_then_sum``.
+        aggregation: ``data.multi_objective_aggregation``: ``sum_then_normalize`` (the weighted
+            total is normalised in its group) or ``normalize_then_sum`` (GDPO: each reward is).
     """
 
     group_size: int
     scale: str
     options: Mapping[str, float]
     batch_size: int
+    per_reward: Tensor | None = None
+    weights: Tensor | None = None
+    aggregation: str = "sum_then_normalize"
 
 
 def _group_relative(rewards: Tensor, rows: dict, inputs: AdvantageInputs, policy):
-    result = group_advantages(rewards, inputs.group_size, scale=inputs.scale)
+    if inputs.aggregation == "normalize_then_sum":
+        result = decoupled_group_advantages(inputs.per_reward, inputs.weights, inputs.group_size)
+    else:
+        result = group_advantages(rewards, inputs.group_size, scale=inputs.scale)
     return {"advantages": result.advantages}, {"rollout/collapsed_fraction": result.collapsed.float().mean().item()}
 
 

@@ -25,11 +25,11 @@ import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
-from lit_grpo.data.episodes import ENVIRONMENT_REWARD, environment_rewards
+from lit_grpo.environments.factory import ENVIRONMENT_REWARD, environment_rewards
 from lit_grpo.generation.episodes import episode_stats
 from lit_grpo.generation.rollout import Rollout, SamplingSpec
 from lit_grpo.objectives import group_advantages
-from lit_grpo.rewards import RewardCombiner
+from lit_grpo.rewards import RewardCombiner, TrainerState
 from lit_grpo.rollout.estimators import ESTIMATORS, AdvantageInputs
 from lit_grpo.rollout.policy import RolloutPolicy
 from lit_grpo.training.throughput import rollout_tokens
@@ -107,13 +107,15 @@ class RolloutProducer:
         num_iterations: Optimisation passes over each rollout.
         dynamic_sampling: Replace groups whose rewards are all equal.
         max_sampling_rounds: Most rounds dynamic sampling may spend.
+        multi_objective_aggregation: ``data.multi_objective_aggregation``, read by ``grpo``.
     """
 
     def __init__(self, sampling: SamplingSpec, rewards: RewardCombiner, estimator: str,
                  encode: Callable, reply: Callable[[list[str]], list], advantage_scale: str = "group",
                  batch_size: int = 32, num_iterations: int = 1, dynamic_sampling: bool = False,
-                 max_sampling_rounds: int = 4) -> None:
+                 max_sampling_rounds: int = 4, multi_objective_aggregation: str = "sum_then_normalize") -> None:
         self.sampling, self.rewards, self.estimator = sampling, rewards, estimator
+        self.multi_objective_aggregation = multi_objective_aggregation
         self.encode, self.reply = encode, reply
         self.advantage_scale, self.batch_size, self.num_iterations = advantage_scale, batch_size, num_iterations
         self.rounds = max_sampling_rounds if dynamic_sampling else 1
@@ -127,7 +129,7 @@ class RolloutProducer:
     def produce(self, draw: Callable[[], list[dict]], policy: RolloutPolicy, *, count: int,
                 missing_on_any_rank: Callable[[int], bool], accumulate: int, epoch: int,
                 first: tuple[Request, Rollout, int] | None = None, generator: torch.Generator | None = None,
-                stats: dict[str, float] | None = None) -> ScoredRollout:
+                stats: dict[str, float] | None = None, trainer_state: TrainerState | None = None) -> ScoredRollout:
         """Run one rollout round for this rank.
 
         Args:
@@ -144,6 +146,7 @@ class RolloutProducer:
                 sampling's further rounds are sampled now either way.
             generator: Randomness of the rounds sampled now (``None``: torch's global generator).
             stats: Statistics of the sampling ahead, logged with the rollout's.
+            trainer_state: Where training is, for the rewards that read ``trainer_state``.
         """
         G = self.sampling.group_size
         version = policy.policy_version if first is None else first[2]
@@ -151,6 +154,11 @@ class RolloutProducer:
         kept: list[_Group] = []
         spare: list[_Group] = []
         generated_tokens = 0
+        logged: dict[str, list[float]] = {}  # the rewards' log_metric calls
+
+        def log_metric(name: str, value: float) -> None:
+            logged.setdefault(name, []).append(float(value))
+
         for round_index in range(self.rounds):
             if round_index == 0 and first is not None:
                 request, rollout, _ = first
@@ -162,13 +170,15 @@ class RolloutProducer:
                                       progress=policy.show_progress(f"rollout {round_index + 1}", steps))
             timings["generate"] += rollout.seconds
             generated_tokens += int(rollout.lengths.sum())
-            for group in self._score(request, rollout, timings):
+            supplied = {"trainer_state": trainer_state, "log_metric": log_metric}
+            for group in self._score(request, rollout, timings, supplied):
                 collapsed = self.dynamic_sampling and bool(group_advantages(group.rewards, G).collapsed[0])
                 (spare if self.dynamic_sampling and collapsed else kept).append(group)
             if not missing_on_any_rank(max(count - len(kept), 0)):
                 break
         result = self._complete((kept + spare)[:count], policy, timings, accumulate, epoch, version,
                                 generated_tokens, rounds=round_index + 1)
+        result.stats.update({name: sum(values) / len(values) for name, values in logged.items()})
         if first is not None:
             result.stats.update(stats or {})
             result.stats["rollout/staleness"] = float(policy.policy_version - version)
@@ -183,11 +193,15 @@ class RolloutProducer:
         :class:`~lit_grpo.generation.Engine` or a frozen sampler of one); ``generator``:
         its randomness (``None``: torch's global generator)."""
         extra = {} if generator is None else {"generator": generator}
+        if request.episodes is not None:  # episodes with prompts of their own complete once each
+            extra["repeat"] = request.episodes.repeat(request.prompt_ids.shape[0])
         return engine.generate(request.prompt_ids, request.prompt_mask, self.sampling, episodes=request.episodes,
                                progress=progress, **extra)
 
-    def _score(self, request: Request, rollout: Rollout, timings: dict) -> list[_Group]:
-        """The rewards of a sampled round, one group per prompt."""
+    def _score(self, request: Request, rollout: Rollout, timings: dict, supplied: dict) -> list[_Group]:
+        """The rewards of a sampled round, one group per prompt (``supplied``: what rewards may name
+        beside the columns, :data:`~lit_grpo.rewards.base.SUPPLIED`; the completions' ids and the
+        episodes' environments are added here)."""
         G, prompts, spec = self.sampling.group_size, request.prompts, request.episodes
         start = time.perf_counter()
         rows = [row for row in prompts for _ in range(G)]
@@ -198,7 +212,11 @@ class RolloutProducer:
         else:  # TRL's conversational completions; text rewards read the final answers
             completions = [record.messages for record in rollout.episodes]
             columns[ENVIRONMENT_REWARD] = environment_rewards(request.environments)
-        scores = self.rewards.score([r["prompt"] for r in rows], completions, columns)
+        tokens = rollout.completion_mask if spec is None else rollout.completion_attention  # [N, C]
+        supplied = {**supplied, "completion_ids": [ids[real.bool()].tolist() for ids, real in
+                                                   zip(rollout.completion_ids, tokens)],
+                    "environments": list(request.environments or [None] * len(rows))}
+        scores = self.rewards.score([r["prompt"] for r in rows], completions, columns, supplied)
         timings["reward"] += time.perf_counter() - start
         groups = []
         for i, prompt in enumerate(prompts):
@@ -207,7 +225,7 @@ class RolloutProducer:
                 rollout.prompt_ids[s], rollout.prompt_mask[s], rollout.completion_ids[s],
                 rollout.completion_mask[s], rollout.truncated[s], rollout.logprobs[s], scores.total[s],
                 {name: values[s] for name, values in scores.per_function.items()},
-                prompt["prompt"], rollout.texts[s],
+                _prompt_text(prompt["prompt"]), rollout.texts[s],
                 None if spec is None else rollout.completion_attention[s],
                 None if spec is None else rollout.episodes[s],
             ))
@@ -267,7 +285,11 @@ class RolloutProducer:
             start = time.perf_counter()
             rows["old_logprobs"] = policy.rollout_logprobs(rows, sampling.temperature, False, self.batch_size)
             timings["old_logprobs"] = time.perf_counter() - start
-        inputs = AdvantageInputs(sampling.group_size, self.advantage_scale, options, self.batch_size)
+        per_reward = torch.stack([torch.cat([g.per_function[name] for g in groups]) for name in groups[0].per_function],
+                                 dim=-1)  # [N, K]
+        weights = torch.tensor([weight for _, _, weight in self.rewards.entries])  # [K]
+        inputs = AdvantageInputs(sampling.group_size, self.advantage_scale, options, self.batch_size, per_reward,
+                                 weights, self.multi_objective_aggregation)
         estimated, stats = estimator.compute(rewards, rows, inputs, policy)
         rows.update(estimated)
         rows["rewards"] = rewards
@@ -320,3 +342,11 @@ def _right_pad(tensors: list[Tensor], value: int) -> Tensor:
 def _left_pad(tensors: list[Tensor], value: int) -> Tensor:
     rows = [row.flip(0) for t in tensors for row in t]
     return pad_sequence(rows, batch_first=True, padding_value=value).flip(1)
+
+
+def _prompt_text(prompt) -> str:
+    """A prompt for the samples file: text as it is, a conversation's last user message."""
+    if isinstance(prompt, str):
+        return prompt
+    users = [m.get("content", "") for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
+    return str(users[-1] if users else prompt)
