@@ -163,7 +163,7 @@ def unknown_argument(completions, judge_model, **kwargs):
      r"Reward 'unknown_argument' takes the argument 'judge_model', which lit_grpo cannot supply: a reward may "
      r"take prompts, completions, completion_ids, environments, trainer_state, log_metric and the columns"),
     ({"episodes": EpisodesSpec(environment=lambda: object())},
-     r"data.episodes.environment: .*<lambda> returns a object, which is no environment: it has no reset"),
+     r"data.episodes.environment: .*<lambda> returns a object, which has no reset\(self, \*\*row\) method"),
     ({"source": [1, 2]}, r"data.source is a list of 2 items; expected a non-empty list of row dicts"),
 ])
 def test_trl_shaped_mistakes_get_one_line_naming_the_field(tiny_model_dir, options, message):

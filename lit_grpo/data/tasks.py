@@ -12,10 +12,14 @@ evaluator. Each row also carries one valid solution as ``answer``.
 answer (:mod:`lit_grpo.data.word_problems`).
 ``guess_number``: games of the ``GuessNumber`` environment, a secret per row
 (:func:`lit_grpo.environments.builtin.guess_number`).
+``reasoning_gym``: any of reasoning-gym's 100+ generated reasoning tasks
+(``task_args: {name: chain_sum, ...}``), scored by its own ``score_answer``
+(:class:`~lit_grpo.rewards.ReasoningGym`); the optional extra ``reasoning``.
 """
 
 from __future__ import annotations
 
+import difflib
 import random
 from typing import Callable
 
@@ -202,6 +206,45 @@ def _random_expression(numbers: list[int], rng: random.Random) -> tuple[str, flo
     return expression, value
 
 
+def reasoning_gym(n: int, seed: int, name: str | None = None, **config) -> list[dict]:
+    """``n`` rows of a reasoning-gym task (https://github.com/open-thought/reasoning-gym), generated
+    offline by its own generator: ``prompt`` (its question), ``answer`` and ``metadata`` (what its
+    scorer reads; :class:`~lit_grpo.rewards.ReasoningGym` scores with it).
+
+    Args:
+        n: Rows (``data.train_size`` + ``data.val_size``, or a slice's size).
+        seed: The generator's seed (``data.seed``).
+        name: The task, e.g. ``basic_arithmetic``, ``chain_sum``, ``leg_counting``.
+        config: The task's own options (``min_terms``, ``max_digits``, ...).
+
+    Raises:
+        ValueError: reasoning-gym is not installed, the task is unknown (the close names are
+            listed), or the task refuses its options.
+    """
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise ValueError("data.source='reasoning_gym' needs the reasoning-gym package: pip install "
+                         "'lit_grpo[reasoning]' (or pip install reasoning-gym).") from None
+    tasks = sorted(reasoning_gym.factory.DATASETS)
+    if name not in reasoning_gym.factory.DATASETS:
+        close = difflib.get_close_matches(str(name), tasks, n=5, cutoff=0.5)
+        hint = f"close ones: {close}" if close else f"its {len(tasks)} tasks begin {tasks[:8]}"
+        raise ValueError(f"data.task_args.name={name!r} is not a reasoning-gym task; {hint} "
+                         "(reasoning_gym.factory.DATASETS lists them all).")
+    for key, ours in (("size", "data.train_size"), ("seed", "data.seed")):
+        if key in config:
+            raise ValueError(f"data.task_args.{key}={config[key]!r}: reasoning-gym's {key} is {ours} here; "
+                             f"drop it from task_args.")
+    try:
+        dataset = reasoning_gym.create_dataset(name, size=n, seed=seed, **config)
+    except (TypeError, ValueError, AssertionError) as error:
+        raise ValueError(f"data.task_args={{'name': {name!r}, **{config!r}}}: reasoning-gym refuses them: "
+                         f"{error}") from None
+    return [{"prompt": entry["question"], "answer": str(entry["answer"]), "metadata": entry["metadata"]}
+            for entry in dataset]
+
+
 TASKS: dict[str, Callable[..., list[dict]]] = {
     "arithmetic": arithmetic,
     "arithmetic_preferences": arithmetic_preferences,
@@ -209,4 +252,5 @@ TASKS: dict[str, Callable[..., list[dict]]] = {
     "countdown": countdown,
     "word_problems": word_problems,
     "guess_number": guess_number,
+    "reasoning_gym": reasoning_gym,
 }

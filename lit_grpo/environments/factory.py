@@ -83,9 +83,9 @@ class EnvironmentFactory:
         probe = self._instance()
         self.cls = type(probe)
         if not callable(getattr(self.cls, "reset", None)):
-            made = "is" if inspect.isclass(self.make) else f"returns a {self.cls.__name__}, which is"
-            raise ValueError(f"{field}: {self.class_path} {made} no environment: it has no reset(self, **row) "
-                             "method (it may return None).")
+            made = "" if inspect.isclass(self.make) else f" returns a {self.cls.__name__}, which"
+            raise ValueError(f"{field}: {self.class_path}{made} has no reset(self, **row) method; an environment "
+                             "needs one (it may return None).")
         self.has_reward = callable(getattr(self.cls, "get_reward", None))
         if inspect.isfunction(getattr(self.cls, "done", None)):
             raise ValueError(f"{field}: {self.class_path}.done is a method; make it a boolean attribute or a "

@@ -29,13 +29,15 @@ from lit_grpo.rewards.math import (
     language_consistency,
     overlong_penalty,
 )
+from lit_grpo.rewards.reasoning_gym import ReasoningGym, reasoning_gym_score
 from lit_grpo.rewards.reward_model import RewardModel
 from lit_grpo.rewards.sandbox import Program, Sandbox, SandboxResult
 
 # Reward functions reachable by bare name (e.g. ``FromCallable(function="accuracy")``).
 BUILTINS = {
     fn.__name__: fn
-    for fn in (accuracy, format, language_consistency, overlong_penalty, code_unit_tests, countdown)
+    for fn in (accuracy, format, language_consistency, overlong_penalty, code_unit_tests, countdown,
+               reasoning_gym_score)
 }
 
 __all__ = [
@@ -48,6 +50,7 @@ __all__ = [
     "LanguageConsistency",
     "OverlongPenalty",
     "Program",
+    "ReasoningGym",
     "Reward",
     "RewardCombiner",
     "RewardFunctionError",
@@ -64,4 +67,5 @@ __all__ = [
     "import_reward",
     "language_consistency",
     "overlong_penalty",
+    "reasoning_gym_score",
 ]
