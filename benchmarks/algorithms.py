@@ -71,17 +71,31 @@ from report import write_report
 ROOT = Path(__file__).resolve().parent.parent
 # name -> (label, lit-grpo command, config, extra arguments; {model} is the policy's name_or_path)
 # The GRPO quickstart recipe this table was measured with (the shipped quickstart has since moved to
-# a task mix, dynamic sampling and a decaying, higher learning rate): two-digit sums only, as PPO's quickstart trains on.
-TWO_DIGIT = ['--data.task_args={"digits": 2, "ops": "+"}', "--data.val_slices=null",
-             "--data.dynamic_sampling=false", "--model.scheduler=null", "--model.optimizer.init_args.lr=1e-4"]
+# a task mix, dynamic sampling and a decaying, higher learning rate): two-digit sums only, as PPO's
+# quickstart trains on.
+TWO_DIGIT = [
+    '--data.task_args={"digits": 2, "ops": "+"}',
+    "--data.val_slices=null",
+    "--data.dynamic_sampling=false",
+    "--model.scheduler=null",
+    "--model.optimizer.init_args.lr=1e-4",
+]
 ALGORITHMS: dict[str, tuple[str, str, str, list[str]]] = {
     "grpo": ("GRPO", "fit", "configs/quickstart.yaml", TWO_DIGIT),
     "ppo_shared": ("PPO (critic on shared base)", "ppo", "configs/ppo_quickstart.yaml", []),
-    "ppo_separate": ("PPO (separate critic)", "ppo", "configs/ppo_quickstart.yaml",
-                     ["--model.critic.name_or_path", "{model}"]),
+    "ppo_separate": (
+        "PPO (separate critic)",
+        "ppo",
+        "configs/ppo_quickstart.yaml",
+        ["--model.critic.name_or_path", "{model}"],
+    ),
     "rloo": ("RLOO", "fit", "configs/quickstart.yaml", [*TWO_DIGIT, "--data.advantage_estimator", "rloo"]),
-    "reinforce_pp": ("REINFORCE++", "fit", "configs/quickstart.yaml",
-                     [*TWO_DIGIT, "--data.advantage_estimator", "reinforce_pp"]),
+    "reinforce_pp": (
+        "REINFORCE++",
+        "fit",
+        "configs/quickstart.yaml",
+        [*TWO_DIGIT, "--data.advantage_estimator", "reinforce_pp"],
+    ),
 }
 COLLAPSE_ENTROPY, COLLAPSE_LENGTH, COLLAPSE_DROP = 0.05, 2.0, 0.25
 
@@ -109,8 +123,11 @@ def _recorder_class():
             self.mark = time.perf_counter()
 
         def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
-            grads = [p.grad.norm() for name, p in module.named_parameters()
-                     if p.grad is not None and name.startswith("policy.") and ".critic." not in name]
+            grads = [
+                p.grad.norm()
+                for name, p in module.named_parameters()
+                if p.grad is not None and name.startswith("policy.") and ".critic." not in name
+            ]
             self.grad_norms.append(float(torch.linalg.vector_norm(torch.stack(grads))) if grads else 0.0)
             self.steps += 1
 
@@ -119,8 +136,13 @@ def _recorder_class():
             data, metrics = trainer.datamodule, trainer.callback_metrics
             rows = data.last_result.rows
             self.tokens += round(data.last_stats["completion/length_mean"] * len(rows["completion_ids"]))
-            self.epochs.append({name: float(metrics[name]) for name in
-                                ("reward/total", "train/entropy", "completion/length_mean") if name in metrics})
+            self.epochs.append(
+                {
+                    name: float(metrics[name])
+                    for name in ("reward/total", "train/entropy", "completion/length_mean")
+                    if name in metrics
+                }
+            )
             epoch = trainer.current_epoch
             trainer.should_stop = self.tokens >= self.budget
             if trainer.should_stop or (epoch + 1) % self.eval_every == 0:
@@ -149,13 +171,36 @@ def run_one(algorithm: str, seed: int, args: argparse.Namespace) -> dict:
     _, command, config, extra = ALGORITHMS[algorithm]
     log_dir = Path(args.out) / "logs" / f"{algorithm}-{seed}"
     cli_args = [
-        "--config", str(ROOT / config), "--seed_everything", str(seed), "--data.seed", str(seed),
-        "--model.policy.name_or_path", args.model_path, "--data.val_size", str(args.val_size),
-        "--trainer.max_epochs", str(args.max_epochs), "--trainer.limit_val_batches", "0",
-        "--trainer.enable_checkpointing", "false", "--trainer.enable_progress_bar", "false",
-        "--trainer.enable_model_summary", "false",
-        "--trainer.default_root_dir", str(log_dir), "--trainer.logger.init_args.save_dir", str(log_dir),
-        "--model.progress", "false", "--model.validate_before_training", "false", "--model.log_samples", "0",
+        "--config",
+        str(ROOT / config),
+        "--seed_everything",
+        str(seed),
+        "--data.seed",
+        str(seed),
+        "--model.policy.name_or_path",
+        args.model_path,
+        "--data.val_size",
+        str(args.val_size),
+        "--trainer.max_epochs",
+        str(args.max_epochs),
+        "--trainer.limit_val_batches",
+        "0",
+        "--trainer.enable_checkpointing",
+        "false",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.enable_model_summary",
+        "false",
+        "--trainer.default_root_dir",
+        str(log_dir),
+        "--trainer.logger.init_args.save_dir",
+        str(log_dir),
+        "--model.progress",
+        "false",
+        "--model.validate_before_training",
+        "false",
+        "--model.log_samples",
+        "0",
         *[value.format(model=args.model_path) for value in extra],
     ]
     model_class = PPOModule if command == "ppo" else GRPOModule
@@ -165,14 +210,25 @@ def run_one(algorithm: str, seed: int, args: argparse.Namespace) -> dict:
     cli.trainer.fit(cli.model, cli.datamodule)
     last = recorder.epochs[-1] if recorder.epochs else {}
     accuracies = [acc for _, acc in recorder.curve]
-    collapsed = (cli.model.guard.skipped > 0 or last.get("train/entropy", 1.0) < COLLAPSE_ENTROPY
-                 or last.get("completion/length_mean", COLLAPSE_LENGTH) < COLLAPSE_LENGTH
-                 or accuracies[-1] <= max(accuracies) - COLLAPSE_DROP)
+    collapsed = (
+        cli.model.guard.skipped > 0
+        or last.get("train/entropy", 1.0) < COLLAPSE_ENTROPY
+        or last.get("completion/length_mean", COLLAPSE_LENGTH) < COLLAPSE_LENGTH
+        or accuracies[-1] <= max(accuracies) - COLLAPSE_DROP
+    )
     return {
-        "algorithm": algorithm, "seed": seed, "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "epochs": len(recorder.epochs), "steps": recorder.steps, "seconds": recorder.seconds,
-        "tokens": recorder.tokens, "curve": recorder.curve, "kl": recorder.kl, "grad_norms": recorder.grad_norms,
-        "last_epoch": last, "collapsed": bool(collapsed),
+        "algorithm": algorithm,
+        "seed": seed,
+        "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "epochs": len(recorder.epochs),
+        "steps": recorder.steps,
+        "seconds": recorder.seconds,
+        "tokens": recorder.tokens,
+        "curve": recorder.curve,
+        "kl": recorder.kl,
+        "grad_norms": recorder.grad_norms,
+        "last_epoch": last,
+        "collapsed": bool(collapsed),
     }
 
 
@@ -243,8 +299,13 @@ def plot(results: list[dict], path: Path) -> Path:
         mean = [statistics.fmean(v) for v in values]
         std = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in values]
         (line,) = axes.plot(grid, mean, label=f"{label} (n={len(runs)})")
-        axes.fill_between(grid, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
-                          color=line.get_color(), alpha=0.2)
+        axes.fill_between(
+            grid,
+            [m - s for m, s in zip(mean, std)],
+            [m + s for m, s in zip(mean, std)],
+            color=line.get_color(),
+            alpha=0.2,
+        )
     axes.set_xlabel("training minutes (rollouts + steps; evaluations excluded)")
     axes.set_ylabel("greedy validation accuracy")
     axes.set_title("Quickstart task, same generated-token budget: mean ± std over seeds")
@@ -260,18 +321,38 @@ def _child(algorithm: str, seed: int, args: argparse.Namespace) -> dict | None:
     cache = Path(args.out) / "runs" / f"{algorithm}-{seed}.json"
     if cache.exists() and not args.fresh:
         return json.loads(cache.read_text())
-    command = [sys.executable, __file__, "--one", algorithm, "--seed", str(seed), "--tokens", str(args.tokens),
-               "--eval_every", str(args.eval_every), "--val_size", str(args.val_size), "--max_epochs",
-               str(args.max_epochs), "--model", args.model, "--out", args.out]
+    command = [
+        sys.executable,
+        __file__,
+        "--one",
+        algorithm,
+        "--seed",
+        str(seed),
+        "--tokens",
+        str(args.tokens),
+        "--eval_every",
+        str(args.eval_every),
+        "--val_size",
+        str(args.val_size),
+        "--max_epochs",
+        str(args.max_epochs),
+        "--model",
+        args.model,
+        "--out",
+        args.out,
+    ]
     start = time.perf_counter()
     out = subprocess.run(command, capture_output=True, text=True)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode != 0 or not lines:
         print(f"{algorithm} seed {seed} failed:\n{out.stderr[-3000:]}", file=sys.stderr)
         return None
-    result = json.loads(lines[-1][len("RESULT "):])
-    print(f"{algorithm} seed {seed}: {result['epochs']} epochs, accuracy {result['curve'][0][1]:.3f} -> "
-          f"{result['curve'][-1][1]:.3f}, {time.perf_counter() - start:.0f} s in all", file=sys.stderr)
+    result = json.loads(lines[-1][len("RESULT ") :])
+    print(
+        f"{algorithm} seed {seed}: {result['epochs']} epochs, accuracy {result['curve'][0][1]:.3f} -> "
+        f"{result['curve'][-1][1]:.3f}, {time.perf_counter() - start:.0f} s in all",
+        file=sys.stderr,
+    )
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps(result))
     return result
@@ -307,8 +388,13 @@ def main() -> None:
     results = [r for seed in args.seeds for algorithm in args.algorithms if (r := _child(algorithm, seed, args))]
     if not results:
         sys.exit("no run finished")
-    write_report(args.out, results, f"Quickstart task ({args.model}), {args.tokens} generated tokens per run, "
-                 f"seeds {args.seeds}; mean ± sample std over seeds.", table(results))
+    write_report(
+        args.out,
+        results,
+        f"Quickstart task ({args.model}), {args.tokens} generated tokens per run, "
+        f"seeds {args.seeds}; mean ± sample std over seeds.",
+        table(results),
+    )
     print(f"plot: {plot(results, Path(args.out) / 'accuracy_vs_minutes.png')}")
 
 

@@ -60,26 +60,51 @@ class EpochClock(L.Callback):
         step = time.perf_counter() - self.started
         generate = metrics.get("time/generate", 0.0)
         wait = metrics.get("time/rollout_wait", generate)  # in line, the trainer waits for all of generation
-        self.rows.append({
-            "step s": step, "gen s": generate, "train s": sum(metrics.get(f"time/{p}", 0.0) for p in TRAINING_PHASES),
-            "wait s": wait, "sampler idle s": metrics.get("time/sampler_waited_for_weights", float("nan")),
-            "tokens/s": metrics.get("rollout/generated_tokens", 0.0) / step,
-        })
+        self.rows.append(
+            {
+                "step s": step,
+                "gen s": generate,
+                "train s": sum(metrics.get(f"time/{p}", 0.0) for p in TRAINING_PHASES),
+                "wait s": wait,
+                "sampler idle s": metrics.get("time/sampler_waited_for_weights", float("nan")),
+                "tokens/s": metrics.get("rollout/generated_tokens", 0.0) / step,
+            }
+        )
 
 
 def run(staleness: int, epochs: int, seed: int, server: str | None) -> list[dict[str, float]]:
     L.seed_everything(seed)
     generation = GenerationSpec(backend="vllm_server", urls=[server]) if server else GenerationSpec()
-    module = GRPOModule(policy=PolicySpec(lora=LoraSpec(r=16, alpha=32)), progress=False,
-                        validate_before_training=False, generation=generation)
+    module = GRPOModule(
+        policy=PolicySpec(lora=LoraSpec(r=16, alpha=32)),
+        progress=False,
+        validate_before_training=False,
+        generation=generation,
+    )
     data = OnPolicyDataModule(
         task_args=[{"digits": 2, "ops": "+"}, {"digits": [2, 3], "ops": "+"}, {"digits": [3, 3], "ops": "+"}],
-        val_size=1, prompts_per_epoch=4, batch_size=32, dynamic_sampling=True, staleness=staleness, seed=seed,
-        sampling=SamplingSpec(group_size=8, temperature=0.8, max_new_tokens=24), rewards=[Accuracy()])
+        val_size=1,
+        prompts_per_epoch=4,
+        batch_size=32,
+        dynamic_sampling=True,
+        staleness=staleness,
+        seed=seed,
+        sampling=SamplingSpec(group_size=8, temperature=0.8, max_new_tokens=24),
+        rewards=[Accuracy()],
+    )
     clock = EpochClock()
-    trainer = L.Trainer(accelerator="cpu", max_epochs=epochs, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        reload_dataloaders_every_n_epochs=1, callbacks=[clock], default_root_dir=tempfile.mkdtemp())
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        reload_dataloaders_every_n_epochs=1,
+        callbacks=[clock],
+        default_root_dir=tempfile.mkdtemp(),
+    )
     trainer.fit(module, data)
     return clock.rows[1:]
 
@@ -108,8 +133,10 @@ def main() -> None:
         if staleness > 0:
             bound = max(0.0, row["gen s"] - row["train s"]) + 0.1 * row["step s"]
             verdict = "met" if row["wait s"] <= bound else "NOT met"
-            print(f"staleness {staleness}: trainer wait {row['wait s']:.2f} s <= max(0, gen - train) + 10% of the "
-                  f"step = {bound:.2f} s: {verdict}")
+            print(
+                f"staleness {staleness}: trainer wait {row['wait s']:.2f} s <= max(0, gen - train) + 10% of the "
+                f"step = {bound:.2f} s: {verdict}"
+            )
 
 
 if __name__ == "__main__":

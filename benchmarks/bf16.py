@@ -22,9 +22,10 @@ figure is the median over the steps after the first (its warm-up), or the one
 step when ``--steps 1``. Peak memory is the child's peak RSS (model loading
 included). Rollouts of more than 32 rows (8x8x256) train in micro-batches of
 16 rows on both sides, accumulated into the step's one optimizer step (one
-pass over 64 rows of 256 tokens outgrows a 24 GiB machine in fp32). MFU is lit_grpo's ``perf/mfu``: the model FLOPs of its training
-passes (policy forward and backward, reference pass) over their seconds and
-over this CPU's measured matmul peak (the faster of fp32 and bf16,
+pass over 64 rows of 256 tokens outgrows a 24 GiB machine in fp32). MFU is
+lit_grpo's ``perf/mfu``: the model FLOPs of its training passes (policy
+forward and backward, reference pass) over their seconds and over this
+CPU's measured matmul peak (the faster of fp32 and bf16,
 :mod:`lit_grpo.model.hardware`); TRL does not time its passes apart, so it
 has none. Run it alone on the machine: the systems run one after another, and
 a second job on the cores would slow whichever runs beside it.
@@ -49,8 +50,9 @@ RUNS = (("lit_grpo", "float32"), ("lit_grpo", "bfloat16"), ("trl", "float32"), (
 
 def settings_for(shape: str, steps: int, system: str, dtype: str) -> Settings:
     prompts, group_size, tokens = (int(x) for x in shape.split("x"))
-    base = Settings(recipe=shape, prompts=prompts, group_size=group_size, max_new_tokens=tokens, steps=steps,
-                    fixed_length=True)
+    base = Settings(
+        recipe=shape, prompts=prompts, group_size=group_size, max_new_tokens=tokens, steps=steps, fixed_length=True
+    )
     if prompts * group_size > MAX_MICRO_BATCH:  # one pass over 64 rows of 256 tokens outgrows 24 GiB in fp32
         base = replace(base, micro_batch=MAX_MICRO_BATCH // 2)
     return replace(base, lit_dtype=dtype) if system == "lit_grpo" else replace(base, trl_bf16=dtype == "bfloat16")
@@ -59,15 +61,23 @@ def settings_for(shape: str, steps: int, system: str, dtype: str) -> Settings:
 def measure(shape: str, steps: int, system: str, dtype: str) -> dict:
     result = run_child(system, settings_for(shape, steps, system, dtype))
     warm = result["steps"][1:] or result["steps"]
-    row = {"step_s": statistics.median(s["seconds"] for s in warm), "peak_rss_mib": result["peak_rss_mib"],
-           "version": result["version"]}
+    row = {
+        "step_s": statistics.median(s["seconds"] for s in warm),
+        "peak_rss_mib": result["peak_rss_mib"],
+        "version": result["version"],
+    }
     if system == "lit_grpo":
         row["mfu"] = statistics.median(s["perf"]["perf/mfu"] for s in warm)
-        row["phases"] = {name: statistics.median(s["phases"].get(name, 0.0) for s in warm)
-                         for name in sorted({n for s in warm for n in s["phases"]})}
+        row["phases"] = {
+            name: statistics.median(s["phases"].get(name, 0.0) for s in warm)
+            for name in sorted({n for s in warm for n in s["phases"]})
+        }
     steps_text = ", ".join(f"{s['seconds']:.1f}" for s in result["steps"])
-    print(f"  {shape:<8} {system:<8} {dtype:<8} steps [{steps_text}] s, peak RSS {row['peak_rss_mib']:.0f} MiB"
-          + (f", MFU {row['mfu']:.3f}" if "mfu" in row else ""), flush=True)
+    print(
+        f"  {shape:<8} {system:<8} {dtype:<8} steps [{steps_text}] s, peak RSS {row['peak_rss_mib']:.0f} MiB"
+        + (f", MFU {row['mfu']:.3f}" if "mfu" in row else ""),
+        flush=True,
+    )
     return row
 
 
@@ -76,10 +86,14 @@ def report(results: dict[tuple[str, str, str], dict]) -> None:
     print("|---|---|---|---|---|---|")
     for (shape, system, dtype), row in results.items():
         mfu = f"{row['mfu']:.3f}" if "mfu" in row else "-"
-        print(f"| {shape} | {system} {row['version']} | {dtype} | {row['step_s']:.2f} | {row['peak_rss_mib']:.0f} "
-              f"| {mfu} |")
-    print("\n| shape | lit bf16 / lit fp32 | lit fp32 / TRL fp32 | lit bf16 / TRL bf16 | lit bf16 / TRL fp32 "
-          "| RSS lit bf16 / TRL bf16 |")
+        print(
+            f"| {shape} | {system} {row['version']} | {dtype} | {row['step_s']:.2f} | {row['peak_rss_mib']:.0f} "
+            f"| {mfu} |"
+        )
+    print(
+        "\n| shape | lit bf16 / lit fp32 | lit fp32 / TRL fp32 | lit bf16 / TRL bf16 | lit bf16 / TRL fp32 "
+        "| RSS lit bf16 / TRL bf16 |"
+    )
     print("|---|---|---|---|---|---|")
     for shape in dict.fromkeys(key[0] for key in results):
         get = {(system, dtype): row for (s, system, dtype), row in results.items() if s == shape}
@@ -87,10 +101,16 @@ def report(results: dict[tuple[str, str, str], dict]) -> None:
         def ratio(a, b, field="step_s"):
             return f"{get[a][field] / get[b][field]:.2f}" if a in get and b in get else "-"
 
-        lit32, lit16, trl32, trl16 = ("lit_grpo", "float32"), ("lit_grpo", "bfloat16"), ("trl", "float32"), \
-            ("trl", "bfloat16")
-        print(f"| {shape} | {ratio(lit16, lit32)} | {ratio(lit32, trl32)} | {ratio(lit16, trl16)} "
-              f"| {ratio(lit16, trl32)} | {ratio(lit16, trl16, 'peak_rss_mib')} |")
+        lit32, lit16, trl32, trl16 = (
+            ("lit_grpo", "float32"),
+            ("lit_grpo", "bfloat16"),
+            ("trl", "float32"),
+            ("trl", "bfloat16"),
+        )
+        print(
+            f"| {shape} | {ratio(lit16, lit32)} | {ratio(lit32, trl32)} | {ratio(lit16, trl16)} "
+            f"| {ratio(lit16, trl32)} | {ratio(lit16, trl16, 'peak_rss_mib')} |"
+        )
     for (shape, system, dtype), row in results.items():
         if "phases" in row:
             phases = ", ".join(f"{k} {v:.2f}" for k, v in row["phases"].items())
@@ -109,8 +129,11 @@ def main() -> None:
     from lit_grpo.model.hardware import cpu_matmul_flops, cpu_name
 
     peaks = cpu_matmul_flops()
-    print(f"{cpu_name()}, {torch.get_num_threads()} threads; measured matmul peak: "
-          + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in peaks.items()), flush=True)
+    print(
+        f"{cpu_name()}, {torch.get_num_threads()} threads; measured matmul peak: "
+        + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in peaks.items()),
+        flush=True,
+    )
     results = {}
     for shape in args.shapes:
         for system, dtype in RUNS:

@@ -28,8 +28,9 @@ from transformers import AutoModelForCausalLM
 from lit_grpo.model.sources import embedded_model_dir
 
 
-def gradient(model, ids: torch.Tensor, advantages: torch.Tensor, autocast: bool = False,
-             fp32_stream: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def gradient(
+    model, ids: torch.Tensor, advantages: torch.Tensor, autocast: bool = False, fp32_stream: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The flattened LoRA gradient and the per-token log-probs of one loss."""
     model.zero_grad()
     hook = model.get_input_embeddings().register_forward_hook(lambda m, i, out: out.float()) if fp32_stream else None
@@ -58,15 +59,20 @@ def main() -> None:
     for name, p in half.named_parameters():
         if "lora_" not in name:
             p.data = p.data.bfloat16()
-    variants = {"bf16 weights": (half, False, False), "fp32 weights, bf16 autocast": (policy, True, False),
-                "bf16 weights, autocast, fp32 residual stream": (half, True, True)}
+    variants = {
+        "bf16 weights": (half, False, False),
+        "fp32 weights, bf16 autocast": (policy, True, False),
+        "bf16 weights, autocast, fp32 residual stream": (half, True, True),
+    }
     print("| variant | gradient cosine with fp32 | norm / fp32 norm | mean abs log-prob gap |")
     print("|---|---|---|---|")
     for label, (m, autocast, stream) in variants.items():
         grad, logprobs = gradient(m, ids, advantages, autocast, stream)
         cosine = torch.nn.functional.cosine_similarity(grad.double(), reference.double(), dim=0)
-        print(f"| {label} | {cosine:.4f} | {grad.norm() / reference.norm():.3f} "
-              f"| {(logprobs - reference_logprobs).abs().mean():.4f} |")
+        print(
+            f"| {label} | {cosine:.4f} | {grad.norm() / reference.norm():.3f} "
+            f"| {(logprobs - reference_logprobs).abs().mean():.4f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -44,11 +44,15 @@ def main() -> None:
                 gather().backward(grad)
             seconds[name] += time.perf_counter() - start
             grads[name].add(keys.grad.numpy().tobytes())
-    print(f"{args.threads} thread(s), {len(rows)} rows of {args.prompts} prompts x {args.prompt_tokens} tokens, "
-          f"{args.layers} layers")
+    print(
+        f"{args.threads} thread(s), {len(rows)} rows of {args.prompts} prompts x {args.prompt_tokens} tokens, "
+        f"{args.layers} layers"
+    )
     for name in gathers:
-        print(f"  {name:28s} {seconds[name] / args.repeats * 1e3:8.2f} ms per pass   "
-              f"distinct gradients over {args.repeats} repeats: {len(grads[name])}")
+        print(
+            f"  {name:28s} {seconds[name] / args.repeats * 1e3:8.2f} ms per pass   "
+            f"distinct gradients over {args.repeats} repeats: {len(grads[name])}"
+        )
 
 
 if __name__ == "__main__":

@@ -95,8 +95,9 @@ def _reread_seconds(model, tokenizer, ids, mask, group, episode) -> float:
     turn; each turn decodes as many steps as it took (greedy, EOS ignored)."""
     model_mask, attention = episode.completion_mask, episode.completion_attention
     # where each row's turns start: after the prompt, and after every run of tool tokens
-    starts = [[0] + [t for t in range(1, int(a.sum())) if m[t] == 1 and m[t - 1] == 0]
-              for m, a in zip(model_mask, attention)]
+    starts = [
+        [0] + [t for t in range(1, int(a.sum())) if m[t] == 1 and m[t - 1] == 0] for m, a in zip(model_mask, attention)
+    ]
     steps = max(int(m.cumprod(0).sum()) for m in model_mask)
     start = time.perf_counter()
     generate(model, tokenizer, ids, mask, SamplingSpec(group_size=group, max_new_tokens=steps, ignore_eos=True))
@@ -106,13 +107,21 @@ def _reread_seconds(model, tokenizer, ids, mask, group, episode) -> float:
         rows = [i for i, s in enumerate(starts) if len(s) > turn]
         texts = [torch.cat([ids[i, mask[i].bool()], episode.completion_ids[i, : starts[i][turn]]]) for i in rows]
         width = max(len(t) for t in texts)
-        context = torch.stack([torch.nn.functional.pad(t, (width - len(t), 0), value=tokenizer.pad_token_id)
-                               for t in texts])
+        context = torch.stack(
+            [torch.nn.functional.pad(t, (width - len(t), 0), value=tokenizer.pad_token_id) for t in texts]
+        )
         context_mask = torch.stack([torch.nn.functional.pad(torch.ones_like(t), (width - len(t), 0)) for t in texts])
-        steps = max(int(model_mask[i, starts[i][turn]:].cumprod(0).sum()) for i in rows)
+        steps = max(int(model_mask[i, starts[i][turn] :].cumprod(0).sum()) for i in rows)
         start = time.perf_counter()
-        generate(model, tokenizer, context, context_mask, SamplingSpec(max_new_tokens=steps, ignore_eos=True),
-                 greedy=True, repeat=1)
+        generate(
+            model,
+            tokenizer,
+            context,
+            context_mask,
+            SamplingSpec(max_new_tokens=steps, ignore_eos=True),
+            greedy=True,
+            repeat=1,
+        )
         seconds += time.perf_counter() - start
     return seconds
 

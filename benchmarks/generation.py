@@ -47,8 +47,9 @@ SYSTEM = "Think step by step, then give the final number after ####."
 def engines(vllm: bool, chosen: list[str] | None = None) -> dict[str, GenerationSpec]:
     variants = {"native fp32": GenerationSpec(), "native bf16": GenerationSpec(dtype="bfloat16")}
     if vllm:
-        variants.update({"vllm fp32": GenerationSpec(backend="vllm"),
-                         "vllm bf16": GenerationSpec(backend="vllm", dtype="bfloat16")})
+        variants.update(
+            {"vllm fp32": GenerationSpec(backend="vllm"), "vllm bf16": GenerationSpec(backend="vllm", dtype="bfloat16")}
+        )
     return {name: spec for name, spec in variants.items() if not chosen or name in chosen}
 
 
@@ -61,13 +62,19 @@ def module_with(spec: GenerationSpec) -> GRPOModule:
 def hf_generate(module, ids, mask, sampling):
     model = module.policy.get_base_model()
     start = time.perf_counter()
-    out = model.generate(input_ids=ids.repeat_interleave(sampling.group_size, 0),
-                         attention_mask=mask.repeat_interleave(sampling.group_size, 0), do_sample=True,
-                         temperature=sampling.temperature, top_k=None, top_p=None,
-                         max_new_tokens=sampling.max_new_tokens, eos_token_id=eos_ids(module.tokenizer, model),
-                         pad_token_id=module.tokenizer.pad_token_id)
+    out = model.generate(
+        input_ids=ids.repeat_interleave(sampling.group_size, 0),
+        attention_mask=mask.repeat_interleave(sampling.group_size, 0),
+        do_sample=True,
+        temperature=sampling.temperature,
+        top_k=None,
+        top_p=None,
+        max_new_tokens=sampling.max_new_tokens,
+        eos_token_id=eos_ids(module.tokenizer, model),
+        pad_token_id=module.tokenizer.pad_token_id,
+    )
     seconds = time.perf_counter() - start
-    completion = out[:, ids.shape[1]:]
+    completion = out[:, ids.shape[1] :]
     ended = (completion == module.tokenizer.pad_token_id).any(-1)  # pad = eos here: its first one is the EOS
     return int((completion != module.tokenizer.pad_token_id).sum() + ended.sum()), seconds
 
@@ -100,7 +107,9 @@ def sampling_part(shapes: list[tuple[int, int, int]], repeats: int, vllm: bool, 
             rate = statistics.median(tokens / seconds for tokens, seconds in runs)
             seconds = statistics.median(s for _, s in runs)
             length = statistics.mean(tokens for tokens, _ in runs) / (prompts * group)
-            print(f"| {prompts}x{group}x{new_tokens} | {name} | {rate:.0f} | {seconds:.1f} | {length:.0f} |", flush=True)
+            print(
+                f"| {prompts}x{group}x{new_tokens} | {name} | {rate:.0f} | {seconds:.1f} | {length:.0f} |", flush=True
+            )
         for module in modules.values():
             module.engine.close()
 
@@ -134,32 +143,59 @@ def step_part(shapes: list[tuple[int, int, int]], vllm: bool, chosen: list[str])
     print("|---|---|---|---|---|")
     for prompts, group, new_tokens in shapes:
         for name, spec in engines(vllm, chosen).items():
-            module = GRPOModule(policy=PolicySpec(dtype="float32", lora=LoraSpec()), generation=spec, progress=False,
-                                validate_before_training=False, log_samples=0)
-            data = OnPolicyDataModule(source="word_problems", system_prompt=SYSTEM, prompts_per_epoch=prompts,
-                                      batch_size=8, val_size=1, rewards=[Accuracy()],
-                                      sampling=SamplingSpec(group_size=group, max_new_tokens=new_tokens))
+            module = GRPOModule(
+                policy=PolicySpec(dtype="float32", lora=LoraSpec()),
+                generation=spec,
+                progress=False,
+                validate_before_training=False,
+                log_samples=0,
+            )
+            data = OnPolicyDataModule(
+                source="word_problems",
+                system_prompt=SYSTEM,
+                prompts_per_epoch=prompts,
+                batch_size=8,
+                val_size=1,
+                rewards=[Accuracy()],
+                sampling=SamplingSpec(group_size=group, max_new_tokens=new_tokens),
+            )
             clock = EpochClock()
-            trainer = L.Trainer(max_epochs=2, reload_dataloaders_every_n_epochs=1, accelerator="cpu", logger=False,
-                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                                num_sanity_val_steps=0, limit_val_batches=0, callbacks=[clock.callback],
-                                accumulate_grad_batches=prompts * group // 8)
+            trainer = L.Trainer(
+                max_epochs=2,
+                reload_dataloaders_every_n_epochs=1,
+                accelerator="cpu",
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                num_sanity_val_steps=0,
+                limit_val_batches=0,
+                callbacks=[clock.callback],
+                accumulate_grad_batches=prompts * group // 8,
+            )
             torch.manual_seed(0)
             trainer.fit(module, data)
             last = clock.epochs[-1]
-            print(f"| {prompts}x{group}x{new_tokens} | {name} | {last['rollout']:.1f} | "
-                  f"{last['total'] - last['rollout']:.1f} | {last['total']:.1f} |", flush=True)
+            print(
+                f"| {prompts}x{group}x{new_tokens} | {name} | {last['rollout']:.1f} | "
+                f"{last['total'] - last['rollout']:.1f} | {last['total']:.1f} |",
+                flush=True,
+            )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=["sampling", "step"], default="sampling")
-    parser.add_argument("--shapes", nargs="+", default=["4x8x64", "8x8x256"],
-                        help="prompts x group size x max new tokens")
+    parser.add_argument(
+        "--shapes", nargs="+", default=["4x8x64", "8x8x256"], help="prompts x group size x max new tokens"
+    )
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--engines", nargs="*", default=[],
-                        help="a subset of: native fp32, native bf16, vllm fp32, vllm bf16, hf generate fp32 "
-                             "(default: all)")
+    parser.add_argument(
+        "--engines",
+        nargs="*",
+        default=[],
+        help="a subset of: native fp32, native bf16, vllm fp32, vllm bf16, hf generate fp32 (default: all)",
+    )
     args = parser.parse_args()
     shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes]
     vllm = importlib.util.find_spec("vllm") is not None

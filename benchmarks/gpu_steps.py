@@ -38,16 +38,30 @@ from importlib.metadata import PackageNotFoundError, requires, version
 from pathlib import Path
 
 # (shape, adapter), in the order they run: the cheapest first, so a spent budget costs the costliest.
-JOBS = [("smollm2-135m", "lora"), ("smollm2-135m", "qlora"), ("qwen2.5-1.5b", "lora"), ("qwen2.5-1.5b", "qlora"),
-        ("qwen2.5-7b", "qlora")]
+JOBS = [
+    ("smollm2-135m", "lora"),
+    ("smollm2-135m", "qlora"),
+    ("qwen2.5-1.5b", "lora"),
+    ("qwen2.5-1.5b", "qlora"),
+    ("qwen2.5-7b", "qlora"),
+]
 DRY_JOBS = [("tiny", "lora"), ("tiny", "qlora")]
 RECIPES = [(8, 8, 256), (1, 8, 1024)]  # prompts x group size x new tokens
 DRY_RECIPES = [(2, 2, 2), (1, 2, 1)]
 WARMUP_TOKENS = 2
 MAX_MICRO_BATCH = 16
 RESULT = "RESULT "
-COLUMNS = ("model", "adapter", "prompts × G × new tokens", "micro-batch", "s/step", "rollout s", "rollout tokens/s",
-           "peak MiB", "status")
+COLUMNS = (
+    "model",
+    "adapter",
+    "prompts × G × new tokens",
+    "micro-batch",
+    "s/step",
+    "rollout s",
+    "rollout tokens/s",
+    "peak MiB",
+    "status",
+)
 
 
 def distinct_characters(prompts, completions, **columns) -> list[float]:
@@ -74,8 +88,9 @@ def run_job(shape: str, adapter: str, models: Path, dry_run: bool) -> None:
     folder = save_random_model(shape, models / shape, device="cuda" if gpu else "cpu")
     if gpu:
         torch.cuda.empty_cache()  # the initialisation's memory is not the step's
-    spec = PolicySpec(name_or_path=str(folder), dtype="bfloat16", lora=LoraSpec(r=16, alpha=32),
-                      load_in_4bit=adapter == "qlora")
+    spec = PolicySpec(
+        name_or_path=str(folder), dtype="bfloat16", lora=LoraSpec(r=16, alpha=32), load_in_4bit=adapter == "qlora"
+    )
     module = GRPOModule(policy=spec, beta=0.04, progress=False, log_samples=0, validate_before_training=False)
     recipes = DRY_RECIPES if dry_run else RECIPES
     prompts, group_size, _ = recipes[0]
@@ -89,17 +104,31 @@ def run_job(shape: str, adapter: str, models: Path, dry_run: bool) -> None:
             peak_mib = torch.cuda.max_memory_allocated() / 2**20
         else:
             peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-        print(RESULT + json.dumps({
-            "shape": shape, "model": f"{shape} ({_count(params)})",
-            "adapter": adapter, "recipe": [prompts, group_size, new_tokens],
-            "micro_batch": min(prompts * group_size, MAX_MICRO_BATCH), "step_s": seconds,
-            "rollout_s": stats["time/generate"], "tokens_per_s": stats["rollout/tokens_per_s"], "peak_mib": peak_mib,
-        }), flush=True)
+        print(
+            RESULT
+            + json.dumps(
+                {
+                    "shape": shape,
+                    "model": f"{shape} ({_count(params)})",
+                    "adapter": adapter,
+                    "recipe": [prompts, group_size, new_tokens],
+                    "micro_batch": min(prompts * group_size, MAX_MICRO_BATCH),
+                    "step_s": seconds,
+                    "rollout_s": stats["time/generate"],
+                    "tokens_per_s": stats["rollout/tokens_per_s"],
+                    "peak_mib": peak_mib,
+                }
+            ),
+            flush=True,
+        )
 
 
 def _count(params: int) -> str:
-    return next(f"{params / scale:.3g}{unit}" for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K"), (1, ""))
-                if params >= scale)
+    return next(
+        f"{params / scale:.3g}{unit}"
+        for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K"), (1, ""))
+        if params >= scale
+    )
 
 
 def fit_one_step(module, prompts: int, group_size: int, new_tokens: int, gpu: bool) -> tuple[float, dict]:
@@ -126,14 +155,30 @@ def fit_one_step(module, prompts: int, group_size: int, new_tokens: int, gpu: bo
     rows = prompts * group_size
     micro_batch = min(rows, MAX_MICRO_BATCH)
     sampling = SamplingSpec(group_size=group_size, temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True)
-    data = TimedRollouts(source="arithmetic", train_size=64, val_size=1, prompts_per_epoch=prompts,
-                         batch_size=micro_batch, sampling=sampling, rewards=[distinct_characters])
+    data = TimedRollouts(
+        source="arithmetic",
+        train_size=64,
+        val_size=1,
+        prompts_per_epoch=prompts,
+        batch_size=micro_batch,
+        sampling=sampling,
+        rewards=[distinct_characters],
+    )
     clock = StepClock()
     trainer = L.Trainer(
-        accelerator="gpu" if gpu else "cpu", devices=1, precision="bf16-mixed", max_epochs=1,
-        accumulate_grad_batches=rows // micro_batch, reload_dataloaders_every_n_epochs=1, limit_val_batches=0,
-        num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[clock],
+        accelerator="gpu" if gpu else "cpu",
+        devices=1,
+        precision="bf16-mixed",
+        max_epochs=1,
+        accumulate_grad_batches=rows // micro_batch,
+        reload_dataloaders_every_n_epochs=1,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[clock],
     )
     trainer.fit(module, data)
     return clock.seconds, data.last_stats
@@ -143,8 +188,11 @@ def fit_one_step(module, prompts: int, group_size: int, new_tokens: int, gpu: bo
 def run_all(dry_run: bool, budget_s: float) -> list[dict]:
     """Run every job until the budget is spent; one row per job and recipe."""
     jobs, recipes = (DRY_JOBS, DRY_RECIPES) if dry_run else (JOBS, RECIPES)
-    reasons = {job: "skipped: bitsandbytes is not installed (scripts/gpu_check.sh --download-wheels fetches it)"
-               for job in jobs if job[1] == "qlora" and importlib.util.find_spec("bitsandbytes") is None}
+    reasons = {
+        job: "skipped: bitsandbytes is not installed (scripts/gpu_check.sh --download-wheels fetches it)"
+        for job in jobs
+        if job[1] == "qlora" and importlib.util.find_spec("bitsandbytes") is None
+    }
     runnable = [job for job in jobs if job not in reasons]
     results: dict[tuple[str, str], list[dict]] = {job: [] for job in jobs}
     deadline = time.monotonic() + budget_s
@@ -152,13 +200,24 @@ def run_all(dry_run: bool, budget_s: float) -> list[dict]:
         for batch in [runnable] if dry_run else [[job] for job in runnable]:
             reason = _run_process(batch, Path(models), dry_run, deadline, results)
             reasons.update({job: reason or "failed: no result" for job in batch if len(results[job]) < len(recipes)})
-    return [row for job in jobs for row in results[job] + [
-        {"model": job[0], "adapter": job[1], "recipe": recipe, "status": reasons[job]}
-        for recipe in recipes[len(results[job]):]]]
+    return [
+        row
+        for job in jobs
+        for row in results[job]
+        + [
+            {"model": job[0], "adapter": job[1], "recipe": recipe, "status": reasons[job]}
+            for recipe in recipes[len(results[job]) :]
+        ]
+    ]
 
 
-def _run_process(jobs: list[tuple[str, str]], models: Path, dry_run: bool, deadline: float,
-                 results: dict[tuple[str, str], list[dict]]) -> str:
+def _run_process(
+    jobs: list[tuple[str, str]],
+    models: Path,
+    dry_run: bool,
+    deadline: float,
+    results: dict[tuple[str, str], list[dict]],
+) -> str:
     """Run ``jobs`` in one process, adding its rows to ``results``; return why it stopped early, or ``""``."""
     left = deadline - time.monotonic()
     if left < 10:
@@ -173,7 +232,7 @@ def _run_process(jobs: list[tuple[str, str]], models: Path, dry_run: bool, deadl
         stdout, stderr, reason = _text(expired.stdout), _text(expired.stderr), "timed out (--budget-s)"
     for line in stdout.splitlines():
         if line.startswith(RESULT):
-            row = {**json.loads(line[len(RESULT):]), "status": "ok"}
+            row = {**json.loads(line[len(RESULT) :]), "status": "ok"}
             results[row["shape"], row["adapter"]].append(row)
             print(f"  {_cells(row)}", flush=True)
     if reason:
@@ -191,16 +250,28 @@ def _cells(row: dict) -> list[str]:
     recipe = " × ".join(str(n) for n in row["recipe"])
     if row["status"] != "ok":  # a reason quoting an error may hold a "|", which would split the cell
         return [row["model"], row["adapter"], recipe, "", "", "", "", "", row["status"].replace("|", "/")]
-    return [row["model"], row["adapter"], recipe, str(row["micro_batch"]), f"{row['step_s']:.2f}",
-            f"{row['rollout_s']:.2f}", f"{row['tokens_per_s']:.0f}", f"{row['peak_mib']:.0f}", "ok"]
+    return [
+        row["model"],
+        row["adapter"],
+        recipe,
+        str(row["micro_batch"]),
+        f"{row['step_s']:.2f}",
+        f"{row['rollout_s']:.2f}",
+        f"{row['tokens_per_s']:.0f}",
+        f"{row['peak_mib']:.0f}",
+        "ok",
+    ]
 
 
 def table(rows: list[dict]) -> str:
     """The rows as a markdown table, and what its memory column measures."""
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(_cells(row)) + " |" for row in rows]
-    lines += ["", "peak MiB: `torch.cuda.max_memory_allocated` over the step, weights included "
-              "(on a CPU: the process's peak RSS so far)."]
+    lines += [
+        "",
+        "peak MiB: `torch.cuda.max_memory_allocated` over the step, weights included "
+        "(on a CPU: the process's peak RSS so far).",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -208,8 +279,9 @@ def table(rows: list[dict]) -> str:
 def environment() -> str:
     """Markdown lines: the versions that matter and lit_grpo's requirements not met here (nothing imported)."""
     names = ("torch", "transformers", "lightning", "peft", "bitsandbytes", "lit_grpo")
-    lines = [f"- python {sys.version.split()[0]}, " + ", ".join(f"{name} {_version(name) or 'missing'}"
-                                                             for name in names)]
+    lines = [
+        f"- python {sys.version.split()[0]}, " + ", ".join(f"{name} {_version(name) or 'missing'}" for name in names)
+    ]
     unmet = unmet_requirements()
     lines.append("- unmet requirements: " + (", ".join(unmet) if unmet else "none"))
     return "\n".join(lines) + "\n"

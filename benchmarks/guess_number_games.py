@@ -63,20 +63,25 @@ def summary(games: list[list[tuple[int, str]]], ranges: list[tuple[int, int]]) -
             guesses_in_wins += len(moves)
     sequences = collections.Counter(tuple(g for g, _ in moves) for moves in games)
     top, count = sequences.most_common(1)[0] if sequences else ((), 0)
-    return {"games": len(games), "wins": wins / max(len(games), 1),
-            "guesses_per_win": guesses_in_wins / wins if wins else float("nan"),
-            "consistent": consistent / later if later else float("nan"),
-            "follows_last_answer": follows / later if later else float("nan"),
-            "first_guesses": sorted({moves[0][0] for moves in games if moves}),
-            "top_sequence": f"{list(top)} x{count}"}
+    return {
+        "games": len(games),
+        "wins": wins / max(len(games), 1),
+        "guesses_per_win": guesses_in_wins / wins if wins else float("nan"),
+        "consistent": consistent / later if later else float("nan"),
+        "follows_last_answer": follows / later if later else float("nan"),
+        "first_guesses": sorted({moves[0][0] for moves in games if moves}),
+        "top_sequence": f"{list(top)} x{count}",
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", help="JSONL files written by lit-grpo eval --transcripts.")
     args = parser.parse_args()
-    print("| file | games | wins | guesses per win | consistent | follows the last answer | first guesses "
-          "| most common sequence |")
+    print(
+        "| file | games | wins | guesses per win | consistent | follows the last answer | first guesses "
+        "| most common sequence |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name in args.files:
         lines = [json.loads(line) for line in Path(name).read_text().splitlines()]
@@ -84,8 +89,10 @@ def main() -> None:
         columns = [line.get("columns", {}) for line in lines]
         ranges = [(int(c.get("low", 1)), int(c.get("high", 10))) for c in columns]
         s = summary([game_moves(line.get("turns", [])) for line in lines], ranges)
-        print(f"| {name} | {s['games']} | {s['wins']:.3f} | {s['guesses_per_win']:.2f} | {s['consistent']:.3f} "
-              f"| {s['follows_last_answer']:.3f} | {s['first_guesses']} | {s['top_sequence']} |")
+        print(
+            f"| {name} | {s['games']} | {s['wins']:.3f} | {s['guesses_per_win']:.2f} | {s['consistent']:.3f} "
+            f"| {s['follows_last_answer']:.3f} | {s['first_guesses']} | {s['top_sequence']} |"
+        )
 
 
 if __name__ == "__main__":

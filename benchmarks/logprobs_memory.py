@@ -104,9 +104,7 @@ def main(args: argparse.Namespace) -> None:
         for backward in (False, True):
             naive = run_one(args, "naive", backward, dtype)
             chunked = run_one(args, "chunked", backward, dtype)
-            beyond_grad = (chunked["peak_extra"] - chunked["grad_bytes"]) / (
-                naive["peak_extra"] - naive["grad_bytes"]
-            )
+            beyond_grad = (chunked["peak_extra"] - chunked["grad_bytes"]) / (naive["peak_extra"] - naive["grad_bytes"])
             print(
                 f"{dtype:8} {'fwd+bwd' if backward else 'fwd':8} "
                 f"{naive['peak_extra'] / MB:9.0f} {chunked['peak_extra'] / MB:9.0f} "

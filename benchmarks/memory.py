@@ -126,12 +126,22 @@ def run_one(name: str, checkpointing: bool) -> dict:
     module_class = _critic_module() if config.get("critic") else GRPOModule
     module = module_class(policy=spec, beta=0.04, progress=False, log_samples=0)
     data = OnPolicyDataModule(
-        prompts_per_epoch=4, batch_size=32, val_size=1, task_args={"digits": 2, "ops": "+"},
-        sampling=SamplingSpec(group_size=8, temperature=0.8, max_new_tokens=24), rewards=[Accuracy()],
+        prompts_per_epoch=4,
+        batch_size=32,
+        val_size=1,
+        task_args={"digits": 2, "ops": "+"},
+        sampling=SamplingSpec(group_size=8, temperature=0.8, max_new_tokens=24),
+        rewards=[Accuracy()],
     )
     trainer = L.Trainer(
-        accelerator="gpu" if gpu else "cpu", devices=1, max_epochs=1, reload_dataloaders_every_n_epochs=1,
-        limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        accelerator="gpu" if gpu else "cpu",
+        devices=1,
+        max_epochs=1,
+        reload_dataloaders_every_n_epochs=1,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
         enable_model_summary=False,
     )
     start = time.perf_counter()
@@ -161,8 +171,15 @@ def _length_data(length: int, cls=None):
 
     sampling = SamplingSpec(group_size=GROUP_SIZE, temperature=0.8, max_new_tokens=length, ignore_eos=True)
     return (cls or OnPolicyDataModule)(
-        source="arithmetic", task_args={"digits": 2, "ops": "+"}, train_size=64, val_size=1, prompts_per_epoch=1,
-        batch_size=GROUP_SIZE, sampling=sampling, rewards=[Accuracy()], seed=0,
+        source="arithmetic",
+        task_args={"digits": 2, "ops": "+"},
+        train_size=64,
+        val_size=1,
+        prompts_per_epoch=1,
+        batch_size=GROUP_SIZE,
+        sampling=sampling,
+        rewards=[Accuracy()],
+        seed=0,
     )
 
 
@@ -172,8 +189,8 @@ def run_length_lit(model: str, length: int, checkpointing: bool, steps: int, rel
 
     from lit_grpo.algorithms.grpo import GRPOModule
     from lit_grpo.data.grpo import OnPolicyDataModule
-    from lit_grpo.training.host_memory import ReleaseHostMemory
     from lit_grpo.model.policy import LoraSpec, PolicySpec
+    from lit_grpo.training.host_memory import ReleaseHostMemory
 
     seconds: list[float] = []
 
@@ -187,17 +204,34 @@ def run_length_lit(model: str, length: int, checkpointing: bool, steps: int, rel
             seconds.append(time.perf_counter() - trainer.datamodule.started)
             _check_length(trainer.datamodule.last_stats["completion/length_mean"], length)
 
-    spec = PolicySpec(name_or_path=model, lora=LoraSpec(r=16, alpha=32, dropout=0.0, target_modules="all-linear"),
-                      gradient_checkpointing=checkpointing)
+    spec = PolicySpec(
+        name_or_path=model,
+        lora=LoraSpec(r=16, alpha=32, dropout=0.0, target_modules="all-linear"),
+        gradient_checkpointing=checkpointing,
+    )
     module = GRPOModule(
-        policy=spec, beta=0.04, epsilon_low=0.2, epsilon_high=0.2, loss_type="grpo",
+        policy=spec,
+        beta=0.04,
+        epsilon_low=0.2,
+        epsilon_high=0.2,
+        loss_type="grpo",
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0),
-        progress=False, log_samples=0, validate_before_training=False,
+        progress=False,
+        log_samples=0,
+        validate_before_training=False,
     )
     trainer = L.Trainer(
-        accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=1, max_epochs=steps,
-        reload_dataloaders_every_n_epochs=1, limit_val_batches=0, num_sanity_val_steps=0, gradient_clip_val=1.0,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="gpu" if torch.cuda.is_available() else "cpu",
+        devices=1,
+        max_epochs=steps,
+        reload_dataloaders_every_n_epochs=1,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[StepTimer()] + ([ReleaseHostMemory()] if release else []),
     )
     trainer.fit(module, _length_data(length, Timed))
@@ -219,8 +253,12 @@ def run_length_trl(model: str, length: int, steps: int) -> list[float]:
     data = _length_data(length)
     data.setup("fit")
     rows = data.next_prompts(steps)  # the prompts lit_grpo draws, in its order, formatted as it formats them
-    texts = chat_prompts(AutoTokenizer.from_pretrained(path), [row["prompt"] for row in rows],
-                         data.hparams.system_prompt, data.hparams.prompt_template)
+    texts = chat_prompts(
+        AutoTokenizer.from_pretrained(path),
+        [row["prompt"] for row in rows],
+        data.hparams.system_prompt,
+        data.hparams.prompt_template,
+    )
     dataset = Dataset.from_list([{"prompt": text, "answer": row["answer"]} for text, row in zip(texts, rows)])
     seconds: list[float] = []
 
@@ -237,17 +275,46 @@ def run_length_trl(model: str, length: int, steps: int) -> list[float]:
 
     with tempfile.TemporaryDirectory() as root:
         config = GRPOConfig(
-            output_dir=root, use_cpu=not torch.cuda.is_available(), bf16=False, model_init_kwargs={"dtype": "float32"},
-            seed=0, per_device_train_batch_size=GROUP_SIZE, gradient_accumulation_steps=1, steps_per_generation=1,
-            num_generations=GROUP_SIZE, max_completion_length=length, generation_kwargs={"min_new_tokens": length},
-            temperature=0.8, top_p=1.0, top_k=0, beta=0.04, epsilon=0.2, num_iterations=1, loss_type="grpo",
-            scale_rewards="group", learning_rate=1e-4, lr_scheduler_type="constant", weight_decay=0.0,
-            max_grad_norm=1.0, gradient_checkpointing=True, max_steps=steps, shuffle_dataset=False,
-            save_strategy="no", logging_steps=1, report_to="none", disable_tqdm=True,
+            output_dir=root,
+            use_cpu=not torch.cuda.is_available(),
+            bf16=False,
+            model_init_kwargs={"dtype": "float32"},
+            seed=0,
+            per_device_train_batch_size=GROUP_SIZE,
+            gradient_accumulation_steps=1,
+            steps_per_generation=1,
+            num_generations=GROUP_SIZE,
+            max_completion_length=length,
+            generation_kwargs={"min_new_tokens": length},
+            temperature=0.8,
+            top_p=1.0,
+            top_k=0,
+            beta=0.04,
+            epsilon=0.2,
+            num_iterations=1,
+            loss_type="grpo",
+            scale_rewards="group",
+            learning_rate=1e-4,
+            lr_scheduler_type="constant",
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            gradient_checkpointing=True,
+            max_steps=steps,
+            shuffle_dataset=False,
+            save_strategy="no",
+            logging_steps=1,
+            report_to="none",
+            disable_tqdm=True,
         )
         lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
-        GRPOTrainer(model=path, reward_funcs=[accuracy], args=config, train_dataset=dataset, peft_config=lora,
-                    callbacks=[StepTimer()]).train()
+        GRPOTrainer(
+            model=path,
+            reward_funcs=[accuracy],
+            args=config,
+            train_dataset=dataset,
+            peft_config=lora,
+            callbacks=[StepTimer()],
+        ).train()
     return seconds
 
 
@@ -273,8 +340,18 @@ def length_table(lengths: list[int], steps: int, model: str, systems: list[str],
     rows = {}
     for length in lengths:
         for system, checkpointing in (row for row in LENGTH_ROWS if row[0] in systems):
-            command = [sys.executable, __file__, "--length-child", system, "--lengths", str(length),
-                       "--steps", str(steps), "--model", model] + (["--checkpointing"] if checkpointing else [])
+            command = [
+                sys.executable,
+                __file__,
+                "--length-child",
+                system,
+                "--lengths",
+                str(length),
+                "--steps",
+                str(steps),
+                "--model",
+                model,
+            ] + (["--checkpointing"] if checkpointing else [])
             if release and system == "lit_grpo":
                 command.append("--release-host-memory")
             result = _child(command, f"{system} at {length} tokens (checkpointing={checkpointing})")
@@ -284,18 +361,25 @@ def length_table(lengths: list[int], steps: int, model: str, systems: list[str],
         return
     measure = "torch.cuda.max_memory_allocated" if next(iter(rows.values()))["gpu"] else "peak RSS (ru_maxrss)"
     timing = {1: "step 1, warm-up included", 2: "step 2"}.get(steps, f"median of steps 2-{steps}")
-    print(f"GRPO steps, {model}, LoRA r=16, 1 prompt x G={GROUP_SIZE} completions of exactly N tokens, beta=0.04, "
-          f"fp32; {measure}; step s: {timing}" + ("; lit_grpo with ReleaseHostMemory" if release else ""))
+    print(
+        f"GRPO steps, {model}, LoRA r=16, 1 prompt x G={GROUP_SIZE} completions of exactly N tokens, beta=0.04, "
+        f"fp32; {measure}; step s: {timing}" + ("; lit_grpo with ReleaseHostMemory" if release else "")
+    )
     print("| N tokens | system         | grad ckpt | peak MiB | step s | peak / TRL | step / TRL |")
     print("|----------|----------------|-----------|----------|--------|------------|------------|")
     names = {"lit_grpo": "lit_grpo", "trl": "TRL"}
     labels = {system: f"{names[system]} {version(system)}" for system in {key[1] for key in rows}}
     for (length, system, checkpointing), r in rows.items():
         trl = rows.get((length, "trl", True))
-        ratios = (f"{r['peak_mib'] / trl['peak_mib']:10.2f} | {r['step_s'] / trl['step_s']:10.2f}" if trl
-                  else f"{'-':>10} | {'-':>10}")
-        print(f"| {length:8d} | {labels[system]:<14} | {'yes' if checkpointing else 'no':<9} | "
-              f"{r['peak_mib']:8.0f} | {r['step_s']:6.1f} | {ratios} |")
+        ratios = (
+            f"{r['peak_mib'] / trl['peak_mib']:10.2f} | {r['step_s'] / trl['step_s']:10.2f}"
+            if trl
+            else f"{'-':>10} | {'-':>10}"
+        )
+        print(
+            f"| {length:8d} | {labels[system]:<14} | {'yes' if checkpointing else 'no':<9} | "
+            f"{r['peak_mib']:8.0f} | {r['step_s']:6.1f} | {ratios} |"
+        )
 
 
 def _child(command: list[str], label: str) -> dict | None:
@@ -305,19 +389,28 @@ def _child(command: list[str], label: str) -> dict | None:
     if out.returncode != 0 or not lines:
         print(f"{label} failed:\n{out.stderr[-2000:]}", file=sys.stderr)
         return None
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", type=int, nargs="+",
-                        help="Completion lengths: print the length table (lit_grpo vs TRL) instead.")
+    parser.add_argument(
+        "--lengths", type=int, nargs="+", help="Completion lengths: print the length table (lit_grpo vs TRL) instead."
+    )
     parser.add_argument("--steps", type=int, default=2, help="Steps per row of the length table.")
     parser.add_argument("--model", default="embedded", help="policy.name_or_path of the length table.")
-    parser.add_argument("--systems", nargs="+", choices=["lit_grpo", "trl"], default=["lit_grpo", "trl"],
-                        help="Rows of the length table to run (without trl, the ratio columns stay empty).")
-    parser.add_argument("--release-host-memory", action="store_true",
-                        help="lit_grpo's rows run with the ReleaseHostMemory callback (less peak RSS, slower).")
+    parser.add_argument(
+        "--systems",
+        nargs="+",
+        choices=["lit_grpo", "trl"],
+        default=["lit_grpo", "trl"],
+        help="Rows of the length table to run (without trl, the ratio columns stay empty).",
+    )
+    parser.add_argument(
+        "--release-host-memory",
+        action="store_true",
+        help="lit_grpo's rows run with the ReleaseHostMemory callback (less peak RSS, slower).",
+    )
     parser.add_argument("--one", choices=list(CONFIGS), help=argparse.SUPPRESS)
     parser.add_argument("--length-child", choices=["lit_grpo", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
@@ -326,8 +419,9 @@ def main() -> None:
         print("RESULT " + json.dumps(run_one(args.one, args.checkpointing)))
         return
     if args.length_child:
-        result = run_length(args.length_child, args.model, args.lengths[0], args.checkpointing, args.steps,
-                            args.release_host_memory)
+        result = run_length(
+            args.length_child, args.model, args.lengths[0], args.checkpointing, args.steps, args.release_host_memory
+        )
         print("RESULT " + json.dumps(result))
         return
     if args.lengths:
@@ -345,8 +439,10 @@ def main() -> None:
     print(f"| {'configuration':<26} | grad ckpt | peak MiB | trainable params | step s |")
     print(f"|{'-' * 28}|-----------|----------|------------------|--------|")
     for name, checkpointing, r in rows:
-        print(f"| {name:<26} | {'yes' if checkpointing else 'no':<9} | {r['peak_mib']:8.0f} | "
-              f"{r['trainable']:>16,} | {r['seconds']:6.1f} |")
+        print(
+            f"| {name:<26} | {'yes' if checkpointing else 'no':<9} | {r['peak_mib']:8.0f} | "
+            f"{r['trainable']:>16,} | {r['seconds']:6.1f} |"
+        )
 
 
 if __name__ == "__main__":

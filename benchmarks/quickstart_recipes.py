@@ -51,29 +51,72 @@ SETS = {"val/2+2/accuracy": "2-digit + 2-digit", "val/3+2/accuracy": "3-digit + 
 # shipped config holds (today: "mix3-ds-cos-4x8-lr2e-4-40ep").
 TWO_DIGIT = '--data.task_args={"digits": 2, "ops": "+"}'
 MIX33 = '--data.task_args=[{"digits": 2, "ops": "+"}, {"digits": [3, 3], "ops": "+"}]'
-MIX3 = ('--data.task_args=[{"digits": 2, "ops": "+"}, {"digits": [2, 3], "ops": "+"}, '
-        '{"digits": [3, 3], "ops": "+"}]')
+MIX3 = '--data.task_args=[{"digits": 2, "ops": "+"}, {"digits": [2, 3], "ops": "+"}, {"digits": [3, 3], "ops": "+"}]'
 PLAIN, DYNAMIC = "--data.dynamic_sampling=false", "--data.dynamic_sampling=true"
 CONSTANT_LR = "--model.scheduler=null"
 COSINE = ["--model.scheduler=torch.optim.lr_scheduler.CosineAnnealingLR", "--model.scheduler.T_max=40"]
 CANDIDATES: dict[str, list[str]] = {
-    "2digit-4x8-lr1e-4-30ep": [TWO_DIGIT, PLAIN, CONSTANT_LR, "--trainer.max_epochs=30",
-                               "--model.optimizer.init_args.lr=1e-4"],
-    "2digit-4x8-lr2e-4-40ep": [TWO_DIGIT, PLAIN, CONSTANT_LR, "--trainer.max_epochs=40",
-                               "--model.optimizer.init_args.lr=2e-4"],
-    "mix33-4x8-lr2e-4-40ep": [MIX33, PLAIN, CONSTANT_LR, "--trainer.max_epochs=40", "--model.optimizer.init_args.lr=2e-4"],
-    "mix3-4x8-lr2e-4-40ep": [MIX3, PLAIN, CONSTANT_LR, "--trainer.max_epochs=40", "--model.optimizer.init_args.lr=2e-4"],
-    "mix3-ds-4x8-lr2e-4-40ep": [MIX3, DYNAMIC, CONSTANT_LR, "--trainer.max_epochs=40",
-                                "--model.optimizer.init_args.lr=2e-4"],
-    "mix3-ds-cos-4x8-lr2e-4-40ep": [MIX3, DYNAMIC, *COSINE, "--trainer.max_epochs=40",
-                                    "--model.optimizer.init_args.lr=2e-4"],
+    "2digit-4x8-lr1e-4-30ep": [
+        TWO_DIGIT,
+        PLAIN,
+        CONSTANT_LR,
+        "--trainer.max_epochs=30",
+        "--model.optimizer.init_args.lr=1e-4",
+    ],
+    "2digit-4x8-lr2e-4-40ep": [
+        TWO_DIGIT,
+        PLAIN,
+        CONSTANT_LR,
+        "--trainer.max_epochs=40",
+        "--model.optimizer.init_args.lr=2e-4",
+    ],
+    "mix33-4x8-lr2e-4-40ep": [
+        MIX33,
+        PLAIN,
+        CONSTANT_LR,
+        "--trainer.max_epochs=40",
+        "--model.optimizer.init_args.lr=2e-4",
+    ],
+    "mix3-4x8-lr2e-4-40ep": [
+        MIX3,
+        PLAIN,
+        CONSTANT_LR,
+        "--trainer.max_epochs=40",
+        "--model.optimizer.init_args.lr=2e-4",
+    ],
+    "mix3-ds-4x8-lr2e-4-40ep": [
+        MIX3,
+        DYNAMIC,
+        CONSTANT_LR,
+        "--trainer.max_epochs=40",
+        "--model.optimizer.init_args.lr=2e-4",
+    ],
+    "mix3-ds-cos-4x8-lr2e-4-40ep": [
+        MIX3,
+        DYNAMIC,
+        *COSINE,
+        "--trainer.max_epochs=40",
+        "--model.optimizer.init_args.lr=2e-4",
+    ],
     # the default recipe with bf16 base weights and matmuls (docs/speed.md)
-    "mix3-ds-cos-4x8-lr2e-4-40ep-bf16": [MIX3, DYNAMIC, *COSINE, "--trainer.max_epochs=40",
-                                         "--model.optimizer.init_args.lr=2e-4", "--model.policy.dtype=bfloat16"],
+    "mix3-ds-cos-4x8-lr2e-4-40ep-bf16": [
+        MIX3,
+        DYNAMIC,
+        *COSINE,
+        "--trainer.max_epochs=40",
+        "--model.optimizer.init_args.lr=2e-4",
+        "--model.policy.dtype=bfloat16",
+    ],
     # fp32 weights and residual stream, bf16 matmuls under autocast, rollouts from a bf16 copy
-    "mix3-ds-cos-4x8-lr2e-4-40ep-bf16-mixed": [MIX3, DYNAMIC, *COSINE, "--trainer.max_epochs=40",
-                                               "--model.optimizer.init_args.lr=2e-4", "--trainer.precision=bf16-mixed",
-                                               "--model.generation.dtype=bfloat16"],
+    "mix3-ds-cos-4x8-lr2e-4-40ep-bf16-mixed": [
+        MIX3,
+        DYNAMIC,
+        *COSINE,
+        "--trainer.max_epochs=40",
+        "--model.optimizer.init_args.lr=2e-4",
+        "--trainer.precision=bf16-mixed",
+        "--model.generation.dtype=bfloat16",
+    ],
 }
 
 
@@ -88,8 +131,10 @@ class Clock(L.Callback):
 
     def on_validation_end(self, trainer, module) -> None:
         metrics = trainer.callback_metrics
-        self._write(trainer, {"epoch": trainer.current_epoch,
-                              **{name: float(metrics[name]) for name in SETS if name in metrics}})
+        self._write(
+            trainer,
+            {"epoch": trainer.current_epoch, **{name: float(metrics[name]) for name in SETS if name in metrics}},
+        )
 
     @staticmethod
     def _write(trainer, values: dict) -> None:
@@ -105,14 +150,27 @@ def run(candidate: str, seed: int, args: argparse.Namespace) -> dict | None:
         return json.loads(cache.read_text())
     log_dir = (Path(args.out) / "logs" / f"{candidate}-{seed}").resolve()
     command = [
-        "lit-grpo", "fit", "--config", str(ROOT / "configs/quickstart.yaml"), *CANDIDATES[candidate],
-        "--seed_everything", str(seed), "--data.seed", str(seed), f"--data.val_slices={json.dumps(SLICES)}",
-        f"--trainer.check_val_every_n_epoch={args.eval_every}", f"--trainer.default_root_dir={log_dir}",
-        f"--trainer.logger.init_args.save_dir={log_dir}", "--trainer.callbacks+=quickstart_recipes.Clock",
-        f"--export_adapter={log_dir / 'adapter'}", *args.extra,
+        "lit-grpo",
+        "fit",
+        "--config",
+        str(ROOT / "configs/quickstart.yaml"),
+        *CANDIDATES[candidate],
+        "--seed_everything",
+        str(seed),
+        "--data.seed",
+        str(seed),
+        f"--data.val_slices={json.dumps(SLICES)}",
+        f"--trainer.check_val_every_n_epoch={args.eval_every}",
+        f"--trainer.default_root_dir={log_dir}",
+        f"--trainer.logger.init_args.save_dir={log_dir}",
+        "--trainer.callbacks+=quickstart_recipes.Clock",
+        f"--export_adapter={log_dir / 'adapter'}",
+        *args.extra,
     ]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "benchmarks"),
-                                                                     os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")])),
+    }
     start = time.time()
     out = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
     seconds = time.time() - start
@@ -121,8 +179,12 @@ def run(candidate: str, seed: int, args: argparse.Namespace) -> dict | None:
         print(f"{candidate} seed {seed} failed:\n{out.stderr[-3000:]}", file=sys.stderr)
         return None
     points = [json.loads(line) for line in clocks[-1].read_text().splitlines()]
-    result = {"candidate": candidate, "seed": seed, "seconds": seconds,
-              "curves": {name: [((p["time"] - start) / 60, p[name]) for p in points if name in p] for name in SETS}}
+    result = {
+        "candidate": candidate,
+        "seed": seed,
+        "seconds": seconds,
+        "curves": {name: [((p["time"] - start) / 60, p[name]) for p in points if name in p] for name in SETS},
+    }
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps(result))
     finals = ", ".join(f"{name} {curve[0][1]:.3f} -> {curve[-1][1]:.3f}" for name, curve in result["curves"].items())
@@ -134,8 +196,10 @@ def spread(values: list[float], digits: int = 3) -> str:
     """``mean ± sample std [min, max]`` (just the value for one)."""
     if len(values) < 2:
         return f"{values[0]:.{digits}f}"
-    return (f"{statistics.fmean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f} "
-            f"[{min(values):.{digits}f}, {max(values):.{digits}f}]")
+    return (
+        f"{statistics.fmean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f} "
+        f"[{min(values):.{digits}f}, {max(values):.{digits}f}]"
+    )
 
 
 def table(results: list[dict]) -> str:
@@ -178,8 +242,14 @@ def plot(results: list[dict], path: Path) -> Path:
             mean = [statistics.fmean(v) for v in values]
             std = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in values]
             (line,) = axes.plot(grid, mean, label=f"{candidate} (n={len(curves)})", drawstyle="steps-post")
-            axes.fill_between(grid, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
-                              color=line.get_color(), alpha=0.15, step="post")
+            axes.fill_between(
+                grid,
+                [m - s for m, s in zip(mean, std)],
+                [m + s for m, s in zip(mean, std)],
+                color=line.get_color(),
+                alpha=0.15,
+                step="post",
+            )
         axes.set_title(label)
         axes.set_xlabel("minutes since the command started")
         axes.set_ylabel("greedy accuracy, mean ± std over seeds")
@@ -202,13 +272,21 @@ def main() -> None:
     parser.add_argument("extra", nargs="*", help="more lit-grpo fit arguments for every run (after --)")
     args = parser.parse_args()
     cached = Path(args.out) / "runs"
-    pairs = [(c, seed) for c in args.candidates for seed in args.seeds
-             if not args.cached_only or (cached / f"{c}-{seed}.json").exists()]
+    pairs = [
+        (c, seed)
+        for c in args.candidates
+        for seed in args.seeds
+        if not args.cached_only or (cached / f"{c}-{seed}.json").exists()
+    ]
     results = [r for candidate, seed in pairs if (r := run(candidate, seed, args))]
     if not results:
         sys.exit("no run finished")
-    write_report(args.out, results, f"Quickstart recipes, seeds {args.seeds}: mean ± sample std [min, max] over seeds.",
-                 table(results))
+    write_report(
+        args.out,
+        results,
+        f"Quickstart recipes, seeds {args.seeds}: mean ± sample std [min, max] over seeds.",
+        table(results),
+    )
     print(f"plot: {plot(results, Path(args.out) / 'curves.png')}")
 
 

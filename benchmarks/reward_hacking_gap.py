@@ -75,8 +75,10 @@ def main(argv: list[str]) -> None:
         verified = [per_epoch(rows, "reward/accuracy") for rows in seeds]
         epochs = sorted(set.intersection(*(set(s) for s in scores)))
         for epoch in sorted(set(epochs[::4]) | set(epochs[-1:])):  # every 4th epoch and the last
-            print(f"| {label} | {epoch} | {_cell([s[epoch] for s in scores])} | "
-                  f"{_cell([v[epoch] for v in verified if epoch in v])} |")
+            print(
+                f"| {label} | {epoch} | {_cell([s[epoch] for s in scores])} | "
+                f"{_cell([v[epoch] for v in verified if epoch in v])} |"
+            )
 
 
 if __name__ == "__main__":

@@ -54,18 +54,30 @@ def run_one(name: str, rm: str) -> dict:
     spec = PolicySpec(name_or_path=base["name_or_path"], init_adapter=base["init_adapter"], lora=LoraSpec())
     module = GRPOModule(policy=spec, beta=0.04, progress=False, log_samples=0, validate_before_training=False)
     data = OnPolicyDataModule(
-        prompts_per_epoch=4, batch_size=32, val_size=1, task_args={"digits": 2, "ops": "+"},
-        sampling=SamplingSpec(group_size=8, temperature=0.8, max_new_tokens=24), rewards=rewards,
+        prompts_per_epoch=4,
+        batch_size=32,
+        val_size=1,
+        task_args={"digits": 2, "ops": "+"},
+        sampling=SamplingSpec(group_size=8, temperature=0.8, max_new_tokens=24),
+        rewards=rewards,
     )
     trainer = L.Trainer(
-        accelerator="gpu" if gpu else "cpu", devices=1, max_epochs=1, reload_dataloaders_every_n_epochs=1,
-        limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        accelerator="gpu" if gpu else "cpu",
+        devices=1,
+        max_epochs=1,
+        reload_dataloaders_every_n_epochs=1,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
         enable_model_summary=False,
     )
     start = time.perf_counter()
     trainer.fit(module, data)
     seconds = time.perf_counter() - start
-    peak = torch.cuda.max_memory_allocated() / 2**20 if gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = (
+        torch.cuda.max_memory_allocated() / 2**20 if gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    )
     reward_seconds = data.last_stats.get("time/reward", float("nan"))
     return {"peak_mib": peak, "seconds": seconds, "reward_seconds": reward_seconds, "gpu": gpu}
 
@@ -80,11 +92,14 @@ def main() -> None:
         return
     print("| reward | peak memory (MiB) | step (s) | of which scoring (s) |\n|---|---|---|---|")
     for name in ROWS:
-        done = subprocess.run([sys.executable, __file__, "--rm", args.rm, "--row", name],
-                              capture_output=True, text=True, check=True)
+        done = subprocess.run(
+            [sys.executable, __file__, "--rm", args.rm, "--row", name], capture_output=True, text=True, check=True
+        )
         result = json.loads(done.stdout.strip().splitlines()[-1])
-        print(f"| {name} | {result['peak_mib']:.0f} | {result['seconds']:.1f} | {result['reward_seconds']:.2f} |",
-              flush=True)
+        print(
+            f"| {name} | {result['peak_mib']:.0f} | {result['seconds']:.1f} | {result['reward_seconds']:.2f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -20,16 +20,17 @@ from collections import defaultdict
 
 import torch
 import yaml
+from rm_learning_curve import slip
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from lit_grpo.data.reward_pairs import RewardDataModule
-from rm_learning_curve import slip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rm", nargs="+", default=["runs/rm_quickstart/rm"],
-                        help="exported sequence-classification folders")
+    parser.add_argument(
+        "--rm", nargs="+", default=["runs/rm_quickstart/rm"], help="exported sequence-classification folders"
+    )
     parser.add_argument("--weights", nargs="+", type=float, help="one per --rm (default: 1 each)")
     parser.add_argument("--config", default="configs/rm_quickstart.yaml", help="whose data section to hold out")
     parser.add_argument("--batch", type=int, default=16)
@@ -57,8 +58,9 @@ def held_out_margins(folder: str, data: RewardDataModule, rows: list, batch: int
     margins = []
     with torch.no_grad():
         for start in range(0, len(rows), batch):
-            chosen, rejected = model(**data.encode_pairs(tokenizer, rows[start:start + batch])
-                                     ).logits[:, 0].float().chunk(2)
+            chosen, rejected = (
+                model(**data.encode_pairs(tokenizer, rows[start : start + batch])).logits[:, 0].float().chunk(2)
+            )
             margins += (chosen - rejected).tolist()
     return margins
 
@@ -71,8 +73,10 @@ def report(title: str, rows: list, margins: list[float]) -> None:
     print(title)
     print("| slip | pairs | pairwise accuracy | mean margin |\n|---|---|---|---|")
     for kind, values in [*sorted(by_kind.items()), ("all", margins)]:
-        print(f"| {kind} | {len(values)} | {sum(m > 0 for m in values) / len(values):.3f} "
-              f"| {sum(values) / len(values):.2f} |")
+        print(
+            f"| {kind} | {len(values)} | {sum(m > 0 for m in values) / len(values):.3f} "
+            f"| {sum(values) / len(values):.2f} |"
+        )
 
 
 if __name__ == "__main__":

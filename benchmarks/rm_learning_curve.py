@@ -118,18 +118,23 @@ def held_out_accuracy(module: RewardModelModule, rows: list[dict]) -> str:
     module.eval()
     wins = []
     for start in range(0, len(rows), 16):
-        chosen, rejected = pair_scores(module.policy, module.reward_head, *encode(module, rows[start:start + 16]),
-                                       module.tokenizer.pad_token_id).chunk(2)
+        chosen, rejected = pair_scores(
+            module.policy, module.reward_head, *encode(module, rows[start : start + 16]), module.tokenizer.pad_token_id
+        ).chunk(2)
         wins += (chosen > rejected).tolist()
     module.train()
     by_kind = {k: [won for row, won in zip(rows, wins) if slip(row) == k] for k in KINDS}
-    return f"{sum(wins) / len(wins):.4f} (" + ", ".join(
-        f"{k} {sum(v) / max(len(v), 1):.2f} of {len(v)}" for k, v in by_kind.items()) + ")"
+    return (
+        f"{sum(wins) / len(wins):.4f} ("
+        + ", ".join(f"{k} {sum(v) / max(len(v), 1):.2f} of {len(v)}" for k, v in by_kind.items())
+        + ")"
+    )
 
 
 @torch.no_grad()
-def teacher_gaps(module: RewardModelModule, ids: torch.Tensor, mask: torch.Tensor,
-                 lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def teacher_gaps(
+    module: RewardModelModule, ids: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The SFT model's log-likelihood of each chosen reply minus its rejected one's, summed up to each
     token from the pair's first difference: ``([B, S] gaps, [B, S] the offsets both replies have)``.
 
@@ -153,11 +158,14 @@ def teacher_gaps(module: RewardModelModule, ids: torch.Tensor, mask: torch.Tenso
 def report(step: int, history: list[tuple[str, bool, float]], mean_score: float, seconds: float) -> None:
     window = history[-WINDOW:]
     by_kind = {k: [won for kind, won, _ in window if kind == k] for k in KINDS}
-    print(f"step {step}: accuracy (last {len(window)} pairs, before their step) "
-          f"{sum(won for _, won, _ in window) / len(window):.3f} | "
-          + " ".join(f"{k} {sum(v) / max(len(v), 1):.2f}" for k, v in by_kind.items())
-          + f" | |margin| {sum(abs(m) for *_, m in window) / len(window):.3f} | mean score {mean_score:.2f}"
-          f" | {seconds:.2f} s/step", flush=True)
+    print(
+        f"step {step}: accuracy (last {len(window)} pairs, before their step) "
+        f"{sum(won for _, won, _ in window) / len(window):.3f} | "
+        + " ".join(f"{k} {sum(v) / max(len(v), 1):.2f}" for k, v in by_kind.items())
+        + f" | |margin| {sum(abs(m) for *_, m in window) / len(window):.3f} | mean score {mean_score:.2f}"
+        f" | {seconds:.2f} s/step",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -172,29 +180,56 @@ def main() -> None:
     parser.add_argument("--r", type=int, default=16, help="LoRA rank; 0: full fine-tuning (every base weight trained)")
     parser.add_argument("--alpha", type=int, default=32)
     parser.add_argument("--per-question", type=int, default=1, help="slips of each question per batch (1-4)")
-    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
-                        help="the slips trained on (the held-out pairs keep every kind)")
-    parser.add_argument("--curriculum", nargs="+", default=[], metavar="KIND:STEPS",
-                        help="stages trained on one slip each before --kinds, e.g. off_by_1:350 off_by_10:350")
-    parser.add_argument("--suffix-weight", type=float, default=0.0,
-                        help="weight of a Bradley-Terry loss at every token from the pair's first differing one")
+    parser.add_argument(
+        "--kinds",
+        nargs="+",
+        choices=KINDS,
+        default=list(KINDS),
+        help="the slips trained on (the held-out pairs keep every kind)",
+    )
+    parser.add_argument(
+        "--curriculum",
+        nargs="+",
+        default=[],
+        metavar="KIND:STEPS",
+        help="stages trained on one slip each before --kinds, e.g. off_by_1:350 off_by_10:350",
+    )
+    parser.add_argument(
+        "--suffix-weight",
+        type=float,
+        default=0.0,
+        help="weight of a Bradley-Terry loss at every token from the pair's first differing one",
+    )
     parser.add_argument("--suffix-from", type=int, default=0, help="the step --suffix-weight starts at")
-    parser.add_argument("--distill-weight", type=float, default=0.0,
-                        help="weight of the squared error to the SFT model's log-likelihood gaps (0: none)")
+    parser.add_argument(
+        "--distill-weight",
+        type=float,
+        default=0.0,
+        help="weight of the squared error to the SFT model's log-likelihood gaps (0: none)",
+    )
     parser.add_argument("--distill-scale", type=float, default=0.3, help="the gaps' scale in that loss")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="the adapter's and head's initialisation, the training pairs' order and slips drawn")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="the adapter's and head's initialisation, the training pairs' order and slips drawn",
+    )
     parser.add_argument("--held-out-every", type=int, default=0, help="also score the held-out pairs every N steps")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--attn", default=None)
     parser.add_argument("--model", default="embedded")
-    parser.add_argument("--init-adapter", default="runs/sft_quickstart/adapter", help="\"\": none")
+    parser.add_argument("--init-adapter", default="runs/sft_quickstart/adapter", help='"": none')
     parser.add_argument("--init-rm", default=None, help="an rm fit export to start from (its adapter and head)")
     args = parser.parse_args()
     print(vars(args), flush=True)
     torch.manual_seed(args.seed)
-    spec = PolicySpec(name_or_path=args.model, init_adapter=args.init_adapter or None, dtype=args.dtype, attn_implementation=args.attn,
-                      lora=LoraSpec(r=args.r, alpha=args.alpha) if args.r else None)
+    spec = PolicySpec(
+        name_or_path=args.model,
+        init_adapter=args.init_adapter or None,
+        dtype=args.dtype,
+        attn_implementation=args.attn,
+        lora=LoraSpec(r=args.r, alpha=args.alpha) if args.r else None,
+    )
     module = RewardModelModule(policy=spec)
     module.configure_model()
     if args.head_init == "zero":
@@ -202,21 +237,25 @@ def main() -> None:
     if args.init_rm:
         load_rm(module, args.init_rm)
     head, adapter = list(module.reward_head.parameters()), [p for p in module.policy.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW([{"params": adapter, "lr": args.lr},
-                                   {"params": head, "lr": args.head_lr or args.lr}], weight_decay=0.0)
+    optimizer = torch.optim.AdamW(
+        [{"params": adapter, "lr": args.lr}, {"params": head, "lr": args.head_lr or args.lr}], weight_decay=0.0
+    )
     peaks = [group["lr"] for group in optimizer.param_groups]
     stages, end = [], 0  # (kinds, the step the stage ends at)
     for stage in args.curriculum:
         kinds, _, steps = stage.rpartition(":")
         weights = stage_weights(kinds)
         if weights is None or not steps.isdigit():
-            parser.error(f"--curriculum {stage!r}: expected KIND[*WEIGHT][+KIND[*WEIGHT]...]:STEPS with KIND one "
-                         f"of {KINDS}")
+            parser.error(
+                f"--curriculum {stage!r}: expected KIND[*WEIGHT][+KIND[*WEIGHT]...]:STEPS with KIND one of {KINDS}"
+            )
         end += int(steps)
         stages.append((weights, end))
     if args.per_question > 1 and any(len(set(weights.values())) > 1 for weights, _ in stages):
-        parser.error(f"--per-question={args.per_question} with a weighted --curriculum stage: a weighted stage "
-                     "draws one slip per question; use --per-question 1")
+        parser.error(
+            f"--per-question={args.per_question} with a weighted --curriculum stage: a weighted stage "
+            "draws one slip per question; use --per-question 1"
+        )
     questions = args.batch // args.per_question
     if not 1 <= args.per_question <= 4 or questions * args.per_question != args.batch:
         parser.error(f"--per-question={args.per_question}: expected 1 to 4 dividing --batch={args.batch}")
@@ -232,19 +271,27 @@ def main() -> None:
     history: list[tuple[str, bool, float]] = []
     for step in range(args.steps):
         done = (step - args.warmup) / max(args.steps - args.warmup, 1)
-        scale = (step + 1) / args.warmup if step < args.warmup else (
-            1.0 if args.sched == "const" else 0.5 * (1 + math.cos(math.pi * done)))
+        scale = (
+            (step + 1) / args.warmup
+            if step < args.warmup
+            else (1.0 if args.sched == "const" else 0.5 * (1 + math.cos(math.pi * done)))
+        )
         for group, peak in zip(optimizer.param_groups, peaks):
             group["lr"] = peak * max(scale, 1e-3)
-        batch = train[step * questions:(step + 1) * questions]
+        batch = train[step * questions : (step + 1) * questions]
         kinds = next((stage for stage, end in stages if step < end), dict.fromkeys(args.kinds, 1.0))
         weighted = len(set(kinds.values())) > 1
         if args.per_question > 1:
-            batch = [pair for row in batch
-                     for pair in pick.sample([s for s in slips(row) if slip(s) in kinds], args.per_question)]
+            batch = [
+                pair
+                for row in batch
+                for pair in pick.sample([s for s in slips(row) if slip(s) in kinds], args.per_question)
+            ]
         elif weighted or set(kinds) != set(KINDS):
-            batch = [rejecting(row, draw_near_miss(pick, int(row["answer"]), kinds if weighted else list(kinds)))
-                     for row in batch]
+            batch = [
+                rejecting(row, draw_near_miss(pick, int(row["answer"]), kinds if weighted else list(kinds)))
+                for row in batch
+            ]
         ids, mask = encode(module, batch)
         every, lengths = suffix_scores(module.policy, module.reward_head, ids, mask, module.tokenizer.pad_token_id)
         chosen, rejected = last_scores(every, lengths).chunk(2)

@@ -26,12 +26,12 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+from rm_learning_curve import slip
 
 from lit_grpo.data.reward_pairs import RewardDataModule
 from lit_grpo.data.tasks import arithmetic_preferences
 from lit_grpo.model.policy import PolicySpec, build_policy, load_tokenizer
 from lit_grpo.objectives import token_logprobs
-from rm_learning_curve import slip
 
 HELD_OUT = 64  # configs/rm_quickstart.yaml's val_size: the first rows
 
@@ -85,8 +85,9 @@ def knowledge(init_adapter: str, rm_adapters: list[str]) -> None:
         scored = model if name == "SFT model" else PeftModel.from_pretrained(model, name)
         scored.eval()
         with torch.no_grad():
-            wins = chosen_likelier(scored(**encoded, use_cache=False).logits, encoded["input_ids"],
-                                   encoded["attention_mask"])
+            wins = chosen_likelier(
+                scored(**encoded, use_cache=False).logits, encoded["input_ids"], encoded["attention_mask"]
+            )
         shares = [float(wins[[k == kind for k in kinds]].float().mean()) for kind in sorted(set(kinds))]
         print(f"| {name} | " + " | ".join(f"{share:.3f}" for share in shares) + f" | {wins.float().mean():.3f} |")
         if scored is not model:
@@ -116,14 +117,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--init-adapter", default="runs/sft_quickstart/adapter")
     parser.add_argument("--pairs", type=int, default=512)
-    parser.add_argument("--rm-adapter", nargs="+", default=[],
-                        help="reward models' adapter/ folders: print what the model knows with each on, and stop")
+    parser.add_argument(
+        "--rm-adapter",
+        nargs="+",
+        default=[],
+        help="reward models' adapter/ folders: print what the model knows with each on, and stop",
+    )
     args = parser.parse_args()
     if args.rm_adapter:
         return knowledge(args.init_adapter, args.rm_adapter)
     states, generative = features(args.init_adapter, args.pairs)
-    print(f"log p(chosen) > log p(rejected): {generative[HELD_OUT:].float().mean():.2f} of the training pairs, "
-          f"{generative[:HELD_OUT].float().mean():.2f} held out")
+    print(
+        f"log p(chosen) > log p(rejected): {generative[HELD_OUT:].float().mean():.2f} of the training pairs, "
+        f"{generative[:HELD_OUT].float().mean():.2f} held out"
+    )
     layers = sorted({layer for _, layer in states})
     shown = sorted(set(layers[::3]) | {layers[-1]})
     print("| position | " + " | ".join(f"layer {layer}" for layer in shown) + " |")

@@ -51,9 +51,19 @@ def lora_request_engine(module: GRPOModule, rank: int):
     from lit_grpo.generation.vllm import _contained
 
     with _contained():
-        return LLM(model=str(embedded_model_dir()), dtype="float32", enforce_eager=True, seed=0,
-                   enable_prefix_caching=True, kv_cache_memory_bytes=2**30, max_model_len=512,
-                   enable_lora=True, max_lora_rank=rank, max_loras=1, disable_log_stats=True)
+        return LLM(
+            model=str(embedded_model_dir()),
+            dtype="float32",
+            enforce_eager=True,
+            seed=0,
+            enable_prefix_caching=True,
+            kv_cache_memory_bytes=2**30,
+            max_model_len=512,
+            enable_lora=True,
+            max_lora_rank=rank,
+            max_loras=1,
+            disable_log_stats=True,
+        )
 
 
 def sample_lora(llm, module, ids, mask, sampling, greedy, lora):
@@ -61,9 +71,14 @@ def sample_lora(llm, module, ids, mask, sampling, greedy, lora):
     from vllm.inputs import TokensPrompt
 
     prompts = [TokensPrompt(prompt_token_ids=row[m.bool()].tolist()) for row, m in zip(ids, mask)]
-    params = SamplingParams(n=1 if greedy else sampling.group_size, temperature=0.0 if greedy else sampling.temperature,
-                            max_tokens=sampling.max_new_tokens, seed=None if greedy else 0, detokenize=False,
-                            stop_token_ids=[module.tokenizer.eos_token_id])
+    params = SamplingParams(
+        n=1 if greedy else sampling.group_size,
+        temperature=0.0 if greedy else sampling.temperature,
+        max_tokens=sampling.max_new_tokens,
+        seed=None if greedy else 0,
+        detokenize=False,
+        stop_token_ids=[module.tokenizer.eos_token_id],
+    )
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
     seconds = time.perf_counter() - start
@@ -83,22 +98,28 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args()
-    module = GRPOModule(policy=PolicySpec(dtype="float32", lora=LoraSpec()), progress=False,
-                        generation=GenerationSpec(backend="vllm"))
+    module = GRPOModule(
+        policy=PolicySpec(dtype="float32", lora=LoraSpec()), progress=False, generation=GenerationSpec(backend="vllm")
+    )
     module.configure_model()
     native = NativeEngine(GenerationSpec(), module)
     sampling = SamplingSpec(group_size=args.group, max_new_tokens=args.new_tokens)
-    texts = chat_prompts(module.tokenizer, [r["prompt"] for r in arithmetic(args.prompts, seed=3, ops="+")], None,
-                         "{prompt}")
+    texts = chat_prompts(
+        module.tokenizer, [r["prompt"] for r in arithmetic(args.prompts, seed=3, ops="+")], None, "{prompt}"
+    )
     ids, mask = encode_prompts(module.tokenizer, texts, None)
     lora_llm = lora_request_engine(module, module.spec.lora.r)
-    figures = {"merged reload": {"sync": [], "rate": [], "exact": []},
-               "LoRARequest": {"sync": [], "rate": [], "exact": []}}
+    figures = {
+        "merged reload": {"sync": [], "rate": [], "exact": []},
+        "LoRARequest": {"sync": [], "rate": [], "exact": []},
+    }
     with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
         for step in range(args.steps + 1):  # step 0 warms both engines up and is not counted
             perturb(module, step)
             expected = native.generate(ids, mask, sampling, greedy=True)
-            expected_rows = [row[m.bool()].tolist() for row, m in zip(expected.completion_ids, expected.completion_mask)]
+            expected_rows = [
+                row[m.bool()].tolist() for row, m in zip(expected.completion_ids, expected.completion_mask)
+            ]
             # merged reload
             start = time.perf_counter()
             module.engine.weights_changed()
@@ -125,13 +146,17 @@ def main() -> None:
                 through["sync"].append(sync)
                 through["rate"].append(rate)
                 through["exact"].append([r[: len(e)] for r, e in zip(lora_rows, expected_rows)] == expected_rows)
-    print(f"{args.prompts} prompts x {args.group} samples x {args.new_tokens} tokens, SmolLM2-135M fp32, "
-          f"{args.steps} adapter updates")
+    print(
+        f"{args.prompts} prompts x {args.group} samples x {args.new_tokens} tokens, SmolLM2-135M fp32, "
+        f"{args.steps} adapter updates"
+    )
     print("| weight sync | sync + greedy pass s (median) | sampling tokens/s (median) | greedy equal to native, fp32 |")
     print("|---|---|---|---|")
     for name, values in figures.items():
-        print(f"| {name} | {statistics.median(values['sync']):.2f} | {statistics.median(values['rate']):.0f} | "
-              f"{sum(values['exact'])}/{len(values['exact'])} |")
+        print(
+            f"| {name} | {statistics.median(values['sync']):.2f} | {statistics.median(values['rate']):.0f} | "
+            f"{sum(values['exact'])}/{len(values['exact'])} |"
+        )
 
 
 if __name__ == "__main__":

@@ -100,12 +100,19 @@ def lit_datamodule(s: Settings, cls=None):
     from lit_grpo.generation.rollout import SamplingSpec
     from lit_grpo.rewards import Accuracy
 
-    sampling = SamplingSpec(group_size=s.group_size, temperature=s.temperature, max_new_tokens=s.max_new_tokens,
-                            ignore_eos=s.fixed_length)
+    sampling = SamplingSpec(
+        group_size=s.group_size, temperature=s.temperature, max_new_tokens=s.max_new_tokens, ignore_eos=s.fixed_length
+    )
     return (cls or OnPolicyDataModule)(
-        source="arithmetic", task_args={"digits": 2, "ops": "+"}, train_size=max(64, s.prompts * s.steps),
-        val_size=1, prompts_per_epoch=s.prompts, batch_size=s.rollout_size // s.micro_batches, sampling=sampling,
-        rewards=[Accuracy()], seed=s.seed,
+        source="arithmetic",
+        task_args={"digits": 2, "ops": "+"},
+        train_size=max(64, s.prompts * s.steps),
+        val_size=1,
+        prompts_per_epoch=s.prompts,
+        batch_size=s.rollout_size // s.micro_batches,
+        sampling=sampling,
+        rewards=[Accuracy()],
+        seed=s.seed,
     )
 
 
@@ -121,8 +128,9 @@ def trl_dataset(s: Settings):
     data.setup("fit")
     rows = data.next_prompts(s.prompts * s.steps)
     tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
-    texts = chat_prompts(tokenizer, [row["prompt"] for row in rows], data.hparams.system_prompt,
-                         data.hparams.prompt_template)
+    texts = chat_prompts(
+        tokenizer, [row["prompt"] for row in rows], data.hparams.system_prompt, data.hparams.prompt_template
+    )
     return Dataset.from_list([{"prompt": text, "answer": row["answer"]} for text, row in zip(texts, rows)])
 
 
@@ -151,29 +159,55 @@ def run_lit(s: Settings) -> dict:
         def on_train_epoch_end(self, trainer, module):
             data = trainer.datamodule
             wall, cpu = data.rollout_started
-            phases = {k[len("time/"):]: v for k, v in data.last_stats.items() if k.startswith("time/")}
+            phases = {k[len("time/") :]: v for k, v in data.last_stats.items() if k.startswith("time/")}
             phases.update(getattr(module, "phase_seconds", {}))
-            self.steps.append({"seconds": time.perf_counter() - wall, "cpu_seconds": time.process_time() - cpu,
-                               "reward": data.last_stats["reward/total"],
-                               "tokens": data.last_stats["completion/length_mean"] * s.rollout_size,
-                               "phases": phases, "perf": module.throughput.metrics(phases)})
+            self.steps.append(
+                {
+                    "seconds": time.perf_counter() - wall,
+                    "cpu_seconds": time.process_time() - cpu,
+                    "reward": data.last_stats["reward/total"],
+                    "tokens": data.last_stats["completion/length_mean"] * s.rollout_size,
+                    "phases": phases,
+                    "perf": module.throughput.metrics(phases),
+                }
+            )
 
-    policy = PolicySpec(name_or_path="embedded", dtype=s.lit_dtype, attn_implementation=s.lit_attn,
-                        lora=LoraSpec(r=s.lora_r, alpha=s.lora_alpha, dropout=0.0, target_modules="all-linear"))
+    policy = PolicySpec(
+        name_or_path="embedded",
+        dtype=s.lit_dtype,
+        attn_implementation=s.lit_attn,
+        lora=LoraSpec(r=s.lora_r, alpha=s.lora_alpha, dropout=0.0, target_modules="all-linear"),
+    )
     module = GRPOModule(
-        policy=policy, beta=s.beta, epsilon_low=s.epsilon, epsilon_high=s.epsilon, loss_type="grpo",
+        policy=policy,
+        beta=s.beta,
+        epsilon_low=s.epsilon,
+        epsilon_high=s.epsilon,
+        loss_type="grpo",
         optimizer=lambda params: torch.optim.AdamW(params, lr=s.lr, weight_decay=0.0),
-        progress=False, log_samples=0, validate_before_training=False, generation=GenerationSpec(dtype=s.lit_generation_dtype),
+        progress=False,
+        log_samples=0,
+        validate_before_training=False,
+        generation=GenerationSpec(dtype=s.lit_generation_dtype),
         skip_zero_gradient_rows=s.lit_skip_zero_gradient_rows,
     )
     timer = StepTimer()
     with tempfile.TemporaryDirectory() as root:
         trainer = L.Trainer(
-            accelerator="cpu", devices=1, max_epochs=s.steps, reload_dataloaders_every_n_epochs=1,
+            accelerator="cpu",
+            devices=1,
+            max_epochs=s.steps,
+            reload_dataloaders_every_n_epochs=1,
             accumulate_grad_batches=s.micro_batches,
-            limit_val_batches=0, num_sanity_val_steps=0, gradient_clip_val=s.max_grad_norm,
-            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            default_root_dir=root, callbacks=[timer],
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            gradient_clip_val=s.max_grad_norm,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=root,
+            callbacks=[timer],
         )
         trainer.fit(module, lit_datamodule(s, RolloutTimed))
     return {"steps": timer.steps, "version": _version("lit_grpo")}
@@ -207,26 +241,59 @@ def run_trl(s: Settings) -> dict:
     timer = StepTimer()
     with tempfile.TemporaryDirectory() as root:
         config = GRPOConfig(
-            output_dir=root, use_cpu=True, bf16=s.trl_bf16, seed=s.seed,
+            output_dir=root,
+            use_cpu=True,
+            bf16=s.trl_bf16,
+            seed=s.seed,
             per_device_train_batch_size=s.rollout_size // s.micro_batches,
-            gradient_accumulation_steps=s.micro_batches, steps_per_generation=s.micro_batches,
-            num_generations=s.group_size, max_completion_length=s.max_new_tokens, temperature=s.temperature,
-            top_p=1.0, top_k=0, beta=s.beta, epsilon=s.epsilon, num_iterations=1, loss_type="grpo",
-            scale_rewards="group", learning_rate=s.lr, lr_scheduler_type="constant", weight_decay=0.0,
-            max_grad_norm=s.max_grad_norm, gradient_checkpointing=False, max_steps=s.steps,
-            shuffle_dataset=False, save_strategy="no", logging_steps=1, report_to="none", disable_tqdm=True,
+            gradient_accumulation_steps=s.micro_batches,
+            steps_per_generation=s.micro_batches,
+            num_generations=s.group_size,
+            max_completion_length=s.max_new_tokens,
+            temperature=s.temperature,
+            top_p=1.0,
+            top_k=0,
+            beta=s.beta,
+            epsilon=s.epsilon,
+            num_iterations=1,
+            loss_type="grpo",
+            scale_rewards="group",
+            learning_rate=s.lr,
+            lr_scheduler_type="constant",
+            weight_decay=0.0,
+            max_grad_norm=s.max_grad_norm,
+            gradient_checkpointing=False,
+            max_steps=s.steps,
+            shuffle_dataset=False,
+            save_strategy="no",
+            logging_steps=1,
+            report_to="none",
+            disable_tqdm=True,
             generation_kwargs={"min_new_tokens": s.max_new_tokens} if s.fixed_length else None,
         )
-        lora = LoraConfig(r=s.lora_r, lora_alpha=s.lora_alpha, lora_dropout=0.0, target_modules="all-linear",
-                          task_type="CAUSAL_LM")
-        trainer = GRPOTrainer(model=str(embedded_model_dir()), reward_funcs=[accuracy], args=config,
-                              train_dataset=trl_dataset(s), peft_config=lora, callbacks=[timer])
+        lora = LoraConfig(
+            r=s.lora_r, lora_alpha=s.lora_alpha, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+        )
+        trainer = GRPOTrainer(
+            model=str(embedded_model_dir()),
+            reward_funcs=[accuracy],
+            args=config,
+            train_dataset=trl_dataset(s),
+            peft_config=lora,
+            callbacks=[timer],
+        )
         trainer.train()
     if len(timer.logs) != len(timer.seconds):
         raise RuntimeError(f"TRL logged {len(timer.logs)} steps but ran {len(timer.seconds)}.")
-    steps = [{"seconds": wall, "cpu_seconds": cpu, "reward": log["reward"],
-              "tokens": log["completions/mean_length"] * s.rollout_size}
-             for (wall, cpu), log in zip(timer.seconds, timer.logs)]
+    steps = [
+        {
+            "seconds": wall,
+            "cpu_seconds": cpu,
+            "reward": log["reward"],
+            "tokens": log["completions/mean_length"] * s.rollout_size,
+        }
+        for (wall, cpu), log in zip(timer.seconds, timer.logs)
+    ]
     return {"steps": steps, "version": _version("trl")}
 
 
@@ -248,9 +315,10 @@ def run_child(system: str, s: Settings) -> dict:
         out.seek(0), err.seek(0)
         lines = [line for line in out.read().splitlines() if line.startswith("RESULT ")]
         if process.returncode != 0 or not lines:
-            raise RuntimeError(f"{system} ({s.recipe}) failed with exit code {process.returncode}:\n"
-                               f"{err.read()[-4000:]}")
-    result = json.loads(lines[-1][len("RESULT "):])
+            raise RuntimeError(
+                f"{system} ({s.recipe}) failed with exit code {process.returncode}:\n{err.read()[-4000:]}"
+            )
+    result = json.loads(lines[-1][len("RESULT ") :])
     result["peak_rss_mib"] = usage.ru_maxrss / 1024  # Linux: KiB
     return result
 
@@ -268,9 +336,12 @@ def benchmark(s: Settings, rounds: int, systems: tuple[str, ...] = SYSTEMS) -> d
             pool["peak_rss_mib"] = max(pool["peak_rss_mib"], result["peak_rss_mib"])
             pool["version"] = result["version"]
             step_times = ", ".join(f"{step['seconds']:.1f}" for step in result["steps"])
-            print(f"  round {index + 1} {system:<8} steps [{step_times}] s, peak RSS "
-                  f"{result['peak_rss_mib']:.0f} MiB, process {time.perf_counter() - start:.0f} s, "
-                  f"load average {load:.1f} -> {os.getloadavg()[0]:.1f}", flush=True)
+            print(
+                f"  round {index + 1} {system:<8} steps [{step_times}] s, peak RSS "
+                f"{result['peak_rss_mib']:.0f} MiB, process {time.perf_counter() - start:.0f} s, "
+                f"load average {load:.1f} -> {os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
     return pooled
 
 
@@ -289,16 +360,20 @@ def summarize(pool: dict) -> dict:
 def report(s: Settings, pooled: dict[str, dict]) -> None:
     rows = {system: summarize(pool) for system, pool in pooled.items()}
     steps = next(iter(rows.values()))["steps"]
-    print(f"\nrecipe {s.recipe}: {s.prompts} prompt(s) x G={s.group_size} x {s.max_new_tokens} new tokens, "
-          f"beta={s.beta}, {steps} steps each")
+    print(
+        f"\nrecipe {s.recipe}: {s.prompts} prompt(s) x G={s.group_size} x {s.max_new_tokens} new tokens, "
+        f"beta={s.beta}, {steps} steps each"
+    )
     print("| system          | dtype    | median s/step | CPU s/step | gen tokens/s | peak RSS MiB | mean reward |")
     print("|-----------------|----------|---------------|------------|--------------|--------------|-------------|")
     dtypes = {"lit_grpo": s.lit_dtype, "trl": "bf16 amp" if s.trl_bf16 else "float32"}
     for system, r in rows.items():
         label = f"{system} {pooled[system]['version']}"
-        print(f"| {label:<15} | {dtypes[system]:<8} | {r['step_s']:13.2f} | {r['cpu_s']:10.2f} | "
-              f"{r['tokens_per_s']:12.1f} | "
-              f"{r['peak_rss_mib']:12.0f} | {r['reward']:11.3f} |")
+        print(
+            f"| {label:<15} | {dtypes[system]:<8} | {r['step_s']:13.2f} | {r['cpu_s']:10.2f} | "
+            f"{r['tokens_per_s']:12.1f} | "
+            f"{r['peak_rss_mib']:12.0f} | {r['reward']:11.3f} |"
+        )
     if len(rows) == 2:
         _print_ratios(rows["lit_grpo"], rows["trl"])
     phases = _median_phases(pooled["lit_grpo"]["steps"]) if "lit_grpo" in pooled else {}
@@ -307,9 +382,11 @@ def report(s: Settings, pooled: dict[str, dict]) -> None:
 
 
 def _print_ratios(lit: dict, trl: dict) -> None:
-    print(f"lit_grpo/TRL: step time {lit['step_s'] / trl['step_s']:.2f}, CPU time {lit['cpu_s'] / trl['cpu_s']:.2f}, "
-          f"tokens/s {lit['tokens_per_s'] / trl['tokens_per_s']:.2f}, "
-          f"peak RSS {lit['peak_rss_mib'] / trl['peak_rss_mib']:.2f}")
+    print(
+        f"lit_grpo/TRL: step time {lit['step_s'] / trl['step_s']:.2f}, CPU time {lit['cpu_s'] / trl['cpu_s']:.2f}, "
+        f"tokens/s {lit['tokens_per_s'] / trl['tokens_per_s']:.2f}, "
+        f"peak RSS {lit['peak_rss_mib'] / trl['peak_rss_mib']:.2f}"
+    )
 
 
 def _median_phases(steps: list[dict]) -> dict[str, float]:
@@ -327,12 +404,21 @@ def main() -> None:
     parser.add_argument("--trl-bf16", action="store_true", help="GRPOConfig(bf16=True): CPU autocast.")
     parser.add_argument("--beta", type=float, default=0.04, help="KL weight for both (0 skips the reference pass).")
     parser.add_argument("--lit-attn", help="lit_grpo's policy.attn_implementation (e.g. eager).")
-    parser.add_argument("--lit-generation-dtype", choices=["float32", "bfloat16"],
-                        help="lit_grpo's model.generation.dtype.")
-    parser.add_argument("--lit-keep-zero-gradient-rows", action="store_true",
-                        help="model.skip_zero_gradient_rows=False (a lever's 'before').")
-    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS),
-                        help="Run only some systems (a lit_grpo lever before/after needs no TRL run).")
+    parser.add_argument(
+        "--lit-generation-dtype", choices=["float32", "bfloat16"], help="lit_grpo's model.generation.dtype."
+    )
+    parser.add_argument(
+        "--lit-keep-zero-gradient-rows",
+        action="store_true",
+        help="model.skip_zero_gradient_rows=False (a lever's 'before').",
+    )
+    parser.add_argument(
+        "--systems",
+        nargs="+",
+        choices=SYSTEMS,
+        default=list(SYSTEMS),
+        help="Run only some systems (a lit_grpo lever before/after needs no TRL run).",
+    )
     parser.add_argument("--child", choices=SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--settings", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -341,14 +427,24 @@ def main() -> None:
         result = (run_lit if args.child == "lit_grpo" else run_trl)(settings)
         print("RESULT " + json.dumps(result), flush=True)
         return
-    print("Same model (embedded SmolLM2-135M-Instruct), prompts, reward and settings; TRL defaults changed to ours: "
-          "gradient_checkpointing=False (TRL default True), "
-          f"bf16={args.trl_bf16} (TRL default True), temperature 0.8 (1.0), lr 1e-4 constant (1e-6, linear decay), "
-          "loss_type='grpo' (dapo), shuffle_dataset=False; left at TRL's default: fused AdamW, unbiased group std.")
+    print(
+        "Same model (embedded SmolLM2-135M-Instruct), prompts, reward and settings; TRL defaults changed to ours: "
+        "gradient_checkpointing=False (TRL default True), "
+        f"bf16={args.trl_bf16} (TRL default True), temperature 0.8 (1.0), lr 1e-4 constant (1e-6, linear decay), "
+        "loss_type='grpo' (dapo), shuffle_dataset=False; left at TRL's default: fused AdamW, unbiased group std."
+    )
     for recipe in RECIPES if args.recipe == "all" else [args.recipe]:
-        settings = Settings(recipe=recipe, steps=args.steps, lit_dtype=args.lit_dtype, trl_bf16=args.trl_bf16,
-                            beta=args.beta, lit_attn=args.lit_attn, lit_generation_dtype=args.lit_generation_dtype,
-                            lit_skip_zero_gradient_rows=not args.lit_keep_zero_gradient_rows, **RECIPES[recipe])
+        settings = Settings(
+            recipe=recipe,
+            steps=args.steps,
+            lit_dtype=args.lit_dtype,
+            trl_bf16=args.trl_bf16,
+            beta=args.beta,
+            lit_attn=args.lit_attn,
+            lit_generation_dtype=args.lit_generation_dtype,
+            lit_skip_zero_gradient_rows=not args.lit_keep_zero_gradient_rows,
+            **RECIPES[recipe],
+        )
         if args.max_new_tokens:
             settings = replace(settings, max_new_tokens=args.max_new_tokens)
         print(f"\n{recipe}: {args.rounds} round(s) x {args.steps} steps per system", flush=True)

@@ -10,8 +10,9 @@ transformers.
 The folders are the architecture; arrows point down only: ``cli`` (the command)
 -> ``evaluation`` (the eval command, plots) -> ``algorithms`` (the
 LightningModules) -> ``data`` (the DataModules, sources) -> ``rollout`` (the
-rollout producer: sampling, scoring, advantages) -> ``generation`` (sampling engines) -> ``environments`` (tools and multi-turn
-environments) -> ``rewards`` (rewards and the sandbox) -> ``training``
+rollout producer: sampling, scoring, advantages) -> ``generation`` (sampling
+engines) -> ``environments`` (tools and multi-turn environments) ->
+``rewards`` (rewards and the sandbox) -> ``training``
 (checkpoints, multi-process runs, strategies, guards) -> ``model`` (loading the
 policy, log-prob passes) -> ``objectives`` (pure math).
 """
@@ -51,6 +52,7 @@ _EXPORTS = {
     "BeforeAfterAnswers": "lit_grpo.algorithms.answers",
 }
 __all__ = sorted(_EXPORTS)
+
 
 def __getattr__(name: str):
     if name not in _EXPORTS:

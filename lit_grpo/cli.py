@@ -37,13 +37,18 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 import lit_grpo
 from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.cli_checks import check_moved_keys, check_writable, check_yaml_files, replaced_environments
-from lit_grpo.training.checkpointing import AtomicCheckpointIO, check_lightning_checkpoint, check_policy
 from lit_grpo.data.grpo import OnPolicyDataModule
+from lit_grpo.training.checkpointing import AtomicCheckpointIO, check_lightning_checkpoint, check_policy
 from lit_grpo.training.multiprocess import (
-    GRACE_S, end_child_processes, exit_on_signal, is_collective_failure, print_failure, set_collective_timeout,
+    GRACE_S,
+    end_child_processes,
+    exit_on_signal,
+    is_collective_failure,
+    print_failure,
+    set_collective_timeout,
     set_signal_grace,
 )
-from lit_grpo.training.preemption import PreemptionCheckpoint, Preempted
+from lit_grpo.training.preemption import Preempted, PreemptionCheckpoint
 
 USER_ERROR_EXIT = 2  # the same code as a command-line parse error
 _PACKAGE = Path(lit_grpo.__file__).parent
@@ -68,16 +73,28 @@ class PolicyCli(LightningCLI):
         super().__init__(*args, parser_class=parser_class, **kwargs)
 
     def add_arguments_to_parser(self, parser) -> None:
-        parser.add_argument("--export_adapter", type=str | None, default=None,
-                            help="After fit, write the trained adapter (PEFT format) to this folder.")
-        parser.add_argument("--collective_timeout", type=float | None, default=None,
-                            help="Seconds one rank may wait in a collective before a multi-process run "
-                                 "fails with an error naming the hook (default 300 on CPUs, 1800 on GPUs, "
-                                 "unless the strategy sets its own timeout).")
-        parser.add_argument("--preemption_grace", type=float, default=GRACE_S,
-                            help="Seconds after SIGTERM/SIGINT within which the run saves last.ckpt and exits; "
-                                 "a process still running then is ended. Keep it below the scheduler's own "
-                                 "grace period (SLURM's KillWait, Kubernetes' terminationGracePeriodSeconds).")
+        parser.add_argument(
+            "--export_adapter",
+            type=str | None,
+            default=None,
+            help="After fit, write the trained adapter (PEFT format) to this folder.",
+        )
+        parser.add_argument(
+            "--collective_timeout",
+            type=float | None,
+            default=None,
+            help="Seconds one rank may wait in a collective before a multi-process run "
+            "fails with an error naming the hook (default 300 on CPUs, 1800 on GPUs, "
+            "unless the strategy sets its own timeout).",
+        )
+        parser.add_argument(
+            "--preemption_grace",
+            type=float,
+            default=GRACE_S,
+            help="Seconds after SIGTERM/SIGINT within which the run saves last.ckpt and exits; "
+            "a process still running then is ended. Keep it below the scheduler's own "
+            "grace period (SLURM's KillWait, Kubernetes' terminationGracePeriodSeconds).",
+        )
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -162,8 +179,10 @@ class PolicyCli(LightningCLI):
             isinstance(c, ModelCheckpoint) for c in callbacks
         ):
             # saved at the end of every training epoch, whatever check_val_every_n_epoch is
-            callbacks = [*callbacks, ModelCheckpoint(dirpath=_checkpoint_dir(config), save_last=True,
-                                                     save_on_train_epoch_end=True)]
+            callbacks = [
+                *callbacks,
+                ModelCheckpoint(dirpath=_checkpoint_dir(config), save_last=True, save_on_train_epoch_end=True),
+            ]
         if not any(isinstance(c, PreemptionCheckpoint) for c in callbacks):
             callbacks = [*callbacks, PreemptionCheckpoint(announce=False, resume_hint=_resume_command())]
         kwargs["callbacks"] = callbacks
@@ -174,12 +193,16 @@ class PolicyCli(LightningCLI):
 
     def before_fit(self) -> None:
         """Check every output folder before the first rollout, not when training is over."""
-        locations = [("export_adapter", self._get(self.config, "export_adapter")),
-                     ("trainer.default_root_dir", self.trainer.default_root_dir)]
-        locations += [("the checkpoint folder (ModelCheckpoint.dirpath)", c.dirpath)
-                      for c in self.trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
-        locations += [("trainer.logger.save_dir", getattr(logger, "save_dir", None))
-                      for logger in self.trainer.loggers]
+        locations = [
+            ("export_adapter", self._get(self.config, "export_adapter")),
+            ("trainer.default_root_dir", self.trainer.default_root_dir),
+        ]
+        locations += [
+            ("the checkpoint folder (ModelCheckpoint.dirpath)", c.dirpath)
+            for c in self.trainer.checkpoint_callbacks
+            if isinstance(c, ModelCheckpoint)
+        ]
+        locations += [("trainer.logger.save_dir", getattr(logger, "save_dir", None)) for logger in self.trainer.loggers]
         for field, path in locations:
             check_writable(field, path)
 
@@ -239,8 +262,13 @@ def _default_last_checkpoint(trainer_config) -> str | None:
 def _is_checkpoint_file(path) -> bool:
     """Whether ``--ckpt_path`` names a local file (not ``last``/``best``/``hpc``, a URL,
     a model registry, or a sharded checkpoint's folder)."""
-    return (bool(path) and path not in ("last", "best", "hpc") and not str(path).startswith("registry")
-            and "://" not in str(path) and not Path(path).is_dir())
+    return (
+        bool(path)
+        and path not in ("last", "best", "hpc")
+        and not str(path).startswith("registry")
+        and "://" not in str(path)
+        and not Path(path).is_dir()
+    )
 
 
 def report_failure(error: Exception) -> int:
@@ -254,8 +282,10 @@ def report_failure(error: Exception) -> int:
         frames = traceback.extract_tb(error.__traceback__)
         where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
         first_line = (str(error).strip().splitlines() or [""])[0][:200]
-        sys.stderr.write(f"lit-grpo: unexpected {type(error).__name__}{where}: {first_line} (the traceback "
-                         "above has the rest; if your config and data look right, please report it)\n")
+        sys.stderr.write(
+            f"lit-grpo: unexpected {type(error).__name__}{where}: {first_line} (the traceback "
+            "above has the rest; if your config and data look right, please report it)\n"
+        )
         return 1
     sys.stderr.write(f"lit-grpo: {' '.join(message.split())}\n")
     return USER_ERROR_EXIT
@@ -265,8 +295,11 @@ def _raised_outside(error: BaseException | None) -> bool:
     """Whether ``error`` was raised in code that is neither lit_grpo's nor a library's (a user's reward, tool
     or environment)."""
     frames = traceback.extract_tb(error.__traceback__) if error is not None else []
-    return bool(frames) and not Path(frames[-1].filename).is_relative_to(_PACKAGE) and "site-packages" not in \
-        frames[-1].filename
+    return (
+        bool(frames)
+        and not Path(frames[-1].filename).is_relative_to(_PACKAGE)
+        and "site-packages" not in frames[-1].filename
+    )
 
 
 def _message_for_user(error: BaseException | None) -> str | None:
@@ -299,16 +332,18 @@ COMMANDS = {
     "sft": "supervised fine-tuning: lit-grpo sft fit --config configs/sft_quickstart.yaml",
     "rm": "train a reward model on preference pairs: lit-grpo rm fit --config configs/rm_quickstart.yaml",
 }
-HELP = "\n".join([
-    "usage: lit-grpo COMMAND [options]",
-    "",
-    "GRPO post-training of causal language models with PyTorch Lightning.",
-    "",
-    "commands:",
-    *[f"  {name:<10}{line}" for name, line in COMMANDS.items()],
-    "",
-    "lit-grpo COMMAND --help lists a command's options.",
-])
+HELP = "\n".join(
+    [
+        "usage: lit-grpo COMMAND [options]",
+        "",
+        "GRPO post-training of causal language models with PyTorch Lightning.",
+        "",
+        "commands:",
+        *[f"  {name:<10}{line}" for name, line in COMMANDS.items()],
+        "",
+        "lit-grpo COMMAND --help lists a command's options.",
+    ]
+)
 
 
 def main(args: list[str] | None = None) -> None:
@@ -352,20 +387,35 @@ def _run(argv: list[str]) -> None:
     if argv[0] == "ppo":
         from lit_grpo.algorithms.ppo import PPOModule
 
-        GRPOCli(PPOModule, OnPolicyDataModule, args=argv[1:], save_config_kwargs={"overwrite": True},
-                parser_kwargs={"prog": "lit-grpo ppo"})
+        GRPOCli(
+            PPOModule,
+            OnPolicyDataModule,
+            args=argv[1:],
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={"prog": "lit-grpo ppo"},
+        )
         return
     if argv[0] == "dpo":
         from lit_grpo.algorithms.dpo import DPOModule
         from lit_grpo.data.preferences import PreferenceDataModule
 
-        PolicyCli(DPOModule, PreferenceDataModule, args=argv[1:], save_config_kwargs={"overwrite": True},
-                  parser_kwargs={"prog": "lit-grpo dpo"})
+        PolicyCli(
+            DPOModule,
+            PreferenceDataModule,
+            args=argv[1:],
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={"prog": "lit-grpo dpo"},
+        )
         return
     if argv[0] in _DATASET_COMMANDS:
         module_class, datamodule_class = _DATASET_COMMANDS[argv[0]]()
-        PolicyCli(module_class, datamodule_class, args=argv[1:], save_config_kwargs={"overwrite": True},
-                  parser_kwargs={"prog": f"lit-grpo {argv[0]}"})
+        PolicyCli(
+            module_class,
+            datamodule_class,
+            args=argv[1:],
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={"prog": f"lit-grpo {argv[0]}"},
+        )
         return
     GRPOCli(GRPOModule, OnPolicyDataModule, args=argv, save_config_kwargs={"overwrite": True})
 

@@ -36,9 +36,18 @@ def replaced_environments(argv: list[str]) -> list[str]:
 
 
 # Keys of the data section that moved into a group: old -> new.
-MOVED_KEYS = {f"data.{name}": f"data.episodes.{name}" for name in (
-    "tools", "environment", "max_turns", "tool_timeout", "max_episode_tokens", "turn_prefix",
-    "environment_reward_weight")}
+MOVED_KEYS = {
+    f"data.{name}": f"data.episodes.{name}"
+    for name in (
+        "tools",
+        "environment",
+        "max_turns",
+        "tool_timeout",
+        "max_episode_tokens",
+        "turn_prefix",
+        "environment_reward_weight",
+    )
+}
 
 
 def check_moved_keys(argv: list[str]) -> None:
@@ -62,8 +71,10 @@ def check_moved_keys(argv: list[str]) -> None:
     for key in found:
         old = next((old for old in MOVED_KEYS if key == old or key.startswith(old + ".")), None)
         if old is not None:
-            raise ValueError(f"{key} is now {MOVED_KEYS[old]}{key[len(old):]} (the episode settings are one "
-                             "group, data.episodes); move it there.")
+            raise ValueError(
+                f"{key} is now {MOVED_KEYS[old]}{key[len(old) :]} (the episode settings are one "
+                "group, data.episodes); move it there."
+            )
 
 
 def check_yaml_files(argv: list[str]) -> None:
@@ -105,9 +116,7 @@ def check_writable(field: str, path) -> None:
     path = Path(path).expanduser().absolute()
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
-        raise NotADirectoryError(
-            f"{field}={str(path)!r} cannot be a folder: {existing} is a file; pick another path."
-        )
+        raise NotADirectoryError(f"{field}={str(path)!r} cannot be a folder: {existing} is a file; pick another path.")
     try:
         with tempfile.TemporaryFile(dir=existing):
             pass

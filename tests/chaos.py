@@ -21,8 +21,8 @@ import peft.peft_model
 import torch
 from safetensors.torch import save as safetensors_bytes
 
-import lit_grpo.training.checkpointing
 import lit_grpo.generation.rollout
+import lit_grpo.training.checkpointing
 
 
 def letter_share(prompts, completions, **columns):
@@ -76,8 +76,15 @@ class Chaos(L.Callback):
         rank: Strike on this rank only (``None``: on every rank).
     """
 
-    def __init__(self, phase: str, epoch: int = 0, index: int = 0, group: bool = False,
-                 strike: str = "SIGKILL", rank: int | None = None) -> None:
+    def __init__(
+        self,
+        phase: str,
+        epoch: int = 0,
+        index: int = 0,
+        group: bool = False,
+        strike: str = "SIGKILL",
+        rank: int | None = None,
+    ) -> None:
         self.phase, self.epoch, self.index, self.rank = phase, epoch, index, rank
         self.batch_idx = -1
         GROUP[0] = group
@@ -116,6 +123,7 @@ class Chaos(L.Callback):
 
             model_parallel._distributed_checkpoint_save = shards_then_die
         elif self.phase == "export":
+
             def half_save_file(tensors, filename, metadata=None):
                 with open(filename, "wb") as f:
                     write_half_then_die(lambda buffer: buffer.write(safetensors_bytes(tensors, metadata)), f)

@@ -82,21 +82,33 @@ def fit(args, run: str, max_epochs: int, ckpt_path: str | None = None) -> None:
     fsdp = args.strategy == "fsdp"
     module = GRPOModule(policy=PolicySpec(name_or_path=args.model), beta=0.04, progress=False, log_samples=0)
     data = OnPolicyDataModule(
-        prompts_per_epoch=2, batch_size=2, val_size=2, val_batch_size=1, train_size=8,
-        sampling=SamplingSpec(group_size=4, max_new_tokens=3), rewards=[text_length],
+        prompts_per_epoch=2,
+        batch_size=2,
+        val_size=2,
+        val_batch_size=1,
+        train_size=8,
+        sampling=SamplingSpec(group_size=4, max_new_tokens=3),
+        rewards=[text_length],
     )
     callbacks: list[L.Callback] = [Recorder(args.out, run)]
     if fsdp:
         callbacks.append(ModelCheckpoint(dirpath=args.out / "ckpt", filename="{epoch}", save_top_k=-1))
     else:  # after every step: each rank trains 2 micro-batches per epoch, so step 1 is inside epoch 0
-        callbacks.append(ModelCheckpoint(dirpath=args.out / "ckpt", filename="{epoch}-{step}", save_top_k=-1,
-                                         every_n_train_steps=1))
+        callbacks.append(
+            ModelCheckpoint(dirpath=args.out / "ckpt", filename="{epoch}-{step}", save_top_k=-1, every_n_train_steps=1)
+        )
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, max_epochs=max_epochs,
+        accelerator="cpu",
+        devices=2,
+        max_epochs=max_epochs,
         strategy=ModelParallelStrategy() if fsdp else "ddp",
-        reload_dataloaders_every_n_epochs=1, num_sanity_val_steps=0, logger=False,
-        enable_progress_bar=False, enable_model_summary=False,
-        callbacks=callbacks, default_root_dir=args.out,
+        reload_dataloaders_every_n_epochs=1,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        default_root_dir=args.out,
     )
     trainer.fit(module, data, ckpt_path=ckpt_path)
 

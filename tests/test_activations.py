@@ -6,9 +6,9 @@ import copy
 
 import pytest
 import torch
+from conftest import build_tiny_model
 from transformers import AutoTokenizer
 
-from conftest import build_tiny_model
 from lit_grpo.model.activations import recompute_swiglu, share_adapter_input_casts
 from lit_grpo.model.stream import keep_stream_fp32
 
@@ -82,8 +82,9 @@ def test_shared_adapter_casts_pass_fp32_without_autocast_through(tokenizer):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
-    plain = get_peft_model(build_tiny_model(tokenizer), LoraConfig(r=4, target_modules="all-linear",
-                                                                   init_lora_weights=False))
+    plain = get_peft_model(
+        build_tiny_model(tokenizer), LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)
+    )
     shared = copy.deepcopy(plain)
     share_adapter_input_casts(shared)
     ids = torch.randint(0, len(tokenizer), (2, 9), generator=torch.Generator().manual_seed(2))
@@ -99,8 +100,9 @@ def test_shared_casts_keep_nothing_alive_and_copy_empty(tokenizer):
 
     from lit_grpo.model.activations import _CastOnce
 
-    policy = get_peft_model(keep_stream_fp32(build_tiny_model(tokenizer).to(torch.bfloat16)),
-                            LoraConfig(r=4, target_modules="all-linear"))
+    policy = get_peft_model(
+        keep_stream_fp32(build_tiny_model(tokenizer).to(torch.bfloat16)), LoraConfig(r=4, target_modules="all-linear")
+    )
     share_adapter_input_casts(policy)
     caches = {id(h): h for m in policy.modules() for h in m._forward_pre_hooks.values() if isinstance(h, _CastOnce)}
     assert len(caches) == 2  # one per decoder layer
@@ -108,8 +110,9 @@ def test_shared_casts_keep_nothing_alive_and_copy_empty(tokenizer):
     logits = policy(input_ids=ids).logits  # the graph keeps the casts, the caches only point at them
     assert all(c.cast() is not None for c in caches.values())
     copied = copy.deepcopy(policy)
-    assert all(h.cast() is None for m in copied.modules() for h in m._forward_pre_hooks.values()
-               if isinstance(h, _CastOnce))
+    assert all(
+        h.cast() is None for m in copied.modules() for h in m._forward_pre_hooks.values() if isinstance(h, _CastOnce)
+    )
     torch.testing.assert_close(copied(input_ids=ids).logits, logits, rtol=0, atol=0)
     del logits
     assert all(c.cast() is None and c.source() is None for c in caches.values())

@@ -21,10 +21,9 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from test_eval import SecretScore
 
-from lit_grpo.training import checkpointing
 from lit_grpo.algorithms.grpo import GRPOModule
-from lit_grpo.training.checkpointing import AtomicCheckpointIO, atomic_torch_save, check_checkpoint
 from lit_grpo.data.episodes import EpisodesSpec
 from lit_grpo.data.grpo import OnPolicyDataModule
 from lit_grpo.data.sources import load_rows
@@ -32,7 +31,8 @@ from lit_grpo.generation import GenerationSpec
 from lit_grpo.generation.rollout import SamplingSpec
 from lit_grpo.model.policy import LoraSpec, PolicySpec, load_tokenizer
 from lit_grpo.rewards import Accuracy, RewardCombiner, RewardFunctionError
-from test_eval import SecretScore
+from lit_grpo.training import checkpointing
+from lit_grpo.training.checkpointing import AtomicCheckpointIO, atomic_torch_save, check_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -41,16 +41,27 @@ def module(tiny_model_dir):
 
 
 def data(**overrides) -> OnPolicyDataModule:
-    settings = dict(train_size=40, val_size=4, prompts_per_epoch=2, batch_size=4,
-                    sampling=SamplingSpec(group_size=4, max_new_tokens=4), rewards=[Accuracy()])
+    settings = dict(
+        train_size=40,
+        val_size=4,
+        prompts_per_epoch=2,
+        batch_size=4,
+        sampling=SamplingSpec(group_size=4, max_new_tokens=4),
+        rewards=[Accuracy()],
+    )
     return OnPolicyDataModule(**{**settings, **overrides})
 
 
 def set_up(datamodule: OnPolicyDataModule, module=None) -> None:
     """``setup("fit")`` as the Trainer runs it: with the module (and its tokenizer) attached."""
     if module is not None:
-        trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
         trainer.strategy.connect(module)
         datamodule.trainer = trainer
     datamodule.setup("fit")
@@ -114,16 +125,22 @@ def test_dataset_file_that_is_not_utf8(tmp_path):
     rows[6] = b'{"prompt": "caf\xe9 + 1?", "answer": "1"}\n'  # latin-1, not UTF-8
     (tmp_path / "d.jsonl").write_bytes(b"".join(rows))
     offset = sum(map(len, rows[:6])) + rows[6].index(b"\xe9")
-    with pytest.raises(ValueError, match=rf"data.source=.*d.jsonl' is not UTF-8 text: byte {offset} \(line 7\) "
-                                         r"is 0xe9 .*save the file as UTF-8"):
+    with pytest.raises(
+        ValueError,
+        match=rf"data.source=.*d.jsonl' is not UTF-8 text: byte {offset} \(line 7\) "
+        r"is 0xe9 .*save the file as UTF-8",
+    ):
         set_up(data(source=str(tmp_path / "d.jsonl"), val_size=2))
 
 
 def test_task_args_with_a_data_file_are_ignored_with_a_warning(tmp_path):
     # The quickstart's task_args left in place when pointing data.source at one's own file.
     source = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1?", "answer": "2"}] * 10)
-    with pytest.warns(UserWarning, match=r"data.task_args=\{'digits': 2\} ignored: they configure the built-in "
-                                         r"tasks .*data.source=.*d.jsonl' is not one of them"):
+    with pytest.warns(
+        UserWarning,
+        match=r"data.task_args=\{'digits': 2\} ignored: they configure the built-in "
+        r"tasks .*data.source=.*d.jsonl' is not one of them",
+    ):
         rows = load_rows(source, "train", {"digits": 2}, seed=0, size=None)
     assert len(rows) == 10
 
@@ -131,8 +148,11 @@ def test_task_args_with_a_data_file_are_ignored_with_a_warning(tmp_path):
 def test_hub_dataset_offline(monkeypatch):
     offline(monkeypatch)
     start = time.monotonic()
-    with pytest.raises(ValueError, match=r"data.source='lit-grpo-tests/no-such-dataset' is not a local file, the "
-                                         r"dataset hub is not reachable \(offline\).*save it as a .jsonl"):
+    with pytest.raises(
+        ValueError,
+        match=r"data.source='lit-grpo-tests/no-such-dataset' is not a local file, the "
+        r"dataset hub is not reachable \(offline\).*save it as a .jsonl",
+    ):
         load_rows("lit-grpo-tests/no-such-dataset", "train", None, seed=0, size=None)
     assert time.monotonic() - start < 10
 
@@ -141,35 +161,52 @@ def test_prompt_longer_than_the_model_context(module, tmp_path):
     # The tiny model's context is 512 positions; no max_prompt_length guards it.
     rows = [{"prompt": "1 + 1?", "answer": "2"}] * 8 + [{"prompt": "one " * 600, "answer": "2"}] * 2
     source = write_jsonl(tmp_path / "d.jsonl", rows)
-    with pytest.raises(ValueError, match=r"data.source=.*d.jsonl' split 'train' row 8: the prompt has \d+ tokens "
-                                         r"\(chat template included\), \d+ with sampling.max_new_tokens=4, more "
-                                         r"than the model's context of 512 \(policy.name_or_path="):
+    with pytest.raises(
+        ValueError,
+        match=r"data.source=.*d.jsonl' split 'train' row 8: the prompt has \d+ tokens "
+        r"\(chat template included\), \d+ with sampling.max_new_tokens=4, more "
+        r"than the model's context of 512 \(policy.name_or_path=",
+    ):
         set_up(data(source=source, val_size=2, max_prompt_length=None), module)
 
 
 def test_prompt_and_completion_longer_than_the_model_context(module):
     # Short prompts, but with 500 new tokens after them they outgrow 512 positions.
-    with pytest.raises(ValueError, match=r"split 'train' row 4: .*with sampling.max_new_tokens=500, more than the "
-                                         r"model's context of 512.*data.max_prompt_length=12 with "
-                                         r"data.prompt_overflow='truncate'"):
+    with pytest.raises(
+        ValueError,
+        match=r"split 'train' row 4: .*with sampling.max_new_tokens=500, more than the "
+        r"model's context of 512.*data.max_prompt_length=12 with "
+        r"data.prompt_overflow='truncate'",
+    ):
         set_up(data(sampling=SamplingSpec(group_size=4, max_new_tokens=500)), module)
 
 
 def test_prompt_and_episode_longer_than_the_model_context(module):
     # Few model tokens, but an episode (the tools' tokens too) may run to 500 tokens after the prompt.
     def episodes(max_episode_tokens):
-        return dict(episodes=EpisodesSpec(tools=["lit_grpo.environments.builtin.calculator"],
-                                          max_episode_tokens=max_episode_tokens), max_prompt_length=None)
-    with pytest.raises(ValueError, match=r"split 'train' row 4: the prompt has \d+ tokens \(chat template included\), "
-                                         r"\d+ with data.episodes.max_episode_tokens=500, more than the model's context of 512"
-                                         r".*lower data.episodes.max_episode_tokens, or set data.max_prompt_length=12 with"):
+        return dict(
+            episodes=EpisodesSpec(
+                tools=["lit_grpo.environments.builtin.calculator"], max_episode_tokens=max_episode_tokens
+            ),
+            max_prompt_length=None,
+        )
+
+    with pytest.raises(
+        ValueError,
+        match=r"split 'train' row 4: the prompt has \d+ tokens \(chat template included\), "
+        r"\d+ with data.episodes.max_episode_tokens=500, more than the model's context of 512"
+        r".*lower data.episodes.max_episode_tokens, or set data.max_prompt_length=12 with",
+    ):
         set_up(data(**episodes(500)), module)
     set_up(data(**episodes(40)), module)  # prompt + 40 fit
 
 
 def test_prompt_longer_than_max_prompt_length_is_refused(module):
-    with pytest.raises(ValueError, match=r"tokens > data.max_prompt_length=8; raise the limit or set "
-                                         r"data.prompt_overflow='truncate'"):
+    with pytest.raises(
+        ValueError,
+        match=r"tokens > data.max_prompt_length=8; raise the limit or set "
+        r"data.prompt_overflow='truncate'",
+    ):
         set_up(data(max_prompt_length=8), module)
 
 
@@ -193,8 +230,11 @@ def test_batch_size_that_splits_a_group():
 
 
 def test_prompts_per_epoch_beyond_the_dataset_without_repeat():
-    with pytest.raises(ValueError, match=r"data.prompts_per_epoch=41 exceeds the 40 training prompts; "
-                                         r"set data.repeat=true"):
+    with pytest.raises(
+        ValueError,
+        match=r"data.prompts_per_epoch=41 exceeds the 40 training prompts; "
+        r"set data.repeat=true",
+    ):
         set_up(data(prompts_per_epoch=41, repeat=False))
 
 
@@ -282,9 +322,12 @@ def offline(monkeypatch) -> None:
 def test_hub_model_offline(monkeypatch):
     offline(monkeypatch)
     start = time.monotonic()
-    with pytest.raises(FileNotFoundError, match=r"policy.name_or_path='lit-grpo-tests/no-such-model' is not a local "
-                                                r"folder and the model hub is not reachable \(offline\); download "
-                                                r"it .* or use name_or_path: embedded"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"policy.name_or_path='lit-grpo-tests/no-such-model' is not a local "
+        r"folder and the model hub is not reachable \(offline\); download "
+        r"it .* or use name_or_path: embedded",
+    ):
         load_tokenizer(PolicySpec(name_or_path="lit-grpo-tests/no-such-model"))
     assert time.monotonic() - start < 5
 
@@ -317,7 +360,9 @@ def test_generation_dtype_without_the_merged_copy():
 
 
 def test_unknown_generation_backend():
-    with pytest.raises(ValueError, match=r"model.generation.backend='sglang'; expected one of \['native', 'vllm', 'vllm_server'\]"):
+    with pytest.raises(
+        ValueError, match=r"model.generation.backend='sglang'; expected one of \['native', 'vllm', 'vllm_server'\]"
+    ):
         GenerationSpec(backend="sglang")
 
 
@@ -332,33 +377,48 @@ def test_truncated_checkpoint(tmp_path):
     (tmp_path / "epoch=0-step=2.ckpt").write_bytes(b"")
     whole = (tmp_path / "last.ckpt").read_bytes()
     (tmp_path / "last.ckpt").write_bytes(whole[: len(whole) // 2])
-    with pytest.raises(ValueError, match=r"ckpt_path=.*last.ckpt' cannot be read: the file is damaged or truncated.*"
-                                         r"other checkpoints in .*newest first: epoch=0-step=2.ckpt"):
+    with pytest.raises(
+        ValueError,
+        match=r"ckpt_path=.*last.ckpt' cannot be read: the file is damaged or truncated.*"
+        r"other checkpoints in .*newest first: epoch=0-step=2.ckpt",
+    ):
         AtomicCheckpointIO().load_checkpoint(tmp_path / "last.ckpt")
 
 
 def test_checkpoint_file_missing(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"ckpt_path=.*nope.ckpt': no such file; there is no other "
-                                                r"checkpoint in"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"ckpt_path=.*nope.ckpt': no such file; there is no other "
+        r"checkpoint in",
+    ):
         AtomicCheckpointIO().load_checkpoint(tmp_path / "nope.ckpt")
 
 
 def test_checkpoint_folder_without_a_sharded_strategy(tmp_path):
     (tmp_path / "last.ckpt").mkdir()
-    with pytest.raises(ValueError, match=r"last.ckpt' is a folder, a sharded checkpoint; resume it with the "
-                                         r"strategy that wrote it \(ModelParallelStrategy\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"last.ckpt' is a folder, a sharded checkpoint; resume it with the "
+        r"strategy that wrote it \(ModelParallelStrategy\)",
+    ):
         AtomicCheckpointIO().load_checkpoint(tmp_path / "last.ckpt")
 
 
 def test_checkpoint_of_another_lora_rank(module):
     module.configure_model()  # the tiny policy with LoRA r=16
     checkpoint = {"state_dict": {k: torch.zeros(4, *v.shape[1:]) for k, v in module.state_dict().items()}}
-    with pytest.raises(ValueError, match=r"does not fit this model: \d+ of the \d+ trainable weights have another "
-                                         r"shape in it, e.g. .*lora_A.*: \(4, 32\) saved, \(16, 32\) here"):
+    with pytest.raises(
+        ValueError,
+        match=r"does not fit this model: \d+ of the \d+ trainable weights have another "
+        r"shape in it, e.g. .*lora_A.*: \(4, 32\) saved, \(16, 32\) here",
+    ):
         check_checkpoint(checkpoint, module)
     checkpoint["hyper_parameters"] = {"policy": dataclasses.replace(module.spec, lora=LoraSpec(r=4))}
-    with pytest.raises(ValueError, match=r"was saved for another policy: model.policy.lora.r=4 in the checkpoint, "
-                                         r"16 in this run. Resume with the checkpoint's settings"):
+    with pytest.raises(
+        ValueError,
+        match=r"was saved for another policy: model.policy.lora.r=4 in the checkpoint, "
+        r"16 in this run. Resume with the checkpoint's settings",
+    ):
         check_checkpoint(checkpoint, module)
 
 
@@ -375,8 +435,11 @@ def test_disk_full_while_writing_a_checkpoint(tmp_path, monkeypatch):
     target = tmp_path / "last.ckpt"
     atomic_torch_save({"name": "A"}, target)
     monkeypatch.setattr(checkpointing, "open", lambda path, mode: open("/dev/full", mode), raising=False)
-    with pytest.raises(OSError, match=r"the disk is full: writing the checkpoint .*last.ckpt failed \(No space left "
-                                      r"on device\); the previous last.ckpt is intact"):
+    with pytest.raises(
+        OSError,
+        match=r"the disk is full: writing the checkpoint .*last.ckpt failed \(No space left "
+        r"on device\); the previous last.ckpt is intact",
+    ):
         atomic_torch_save({"name": "B", "weights": torch.zeros(100_000)}, target)
     monkeypatch.undo()
     assert torch.load(target)["name"] == "A"
@@ -395,12 +458,27 @@ def fit(capsys, monkeypatch, tmp_path, tiny_model_dir):
     def run(*arguments: str) -> tuple[int, str]:
         code = 0  # a run that ends well returns from main()
         try:
-            cli.main(["fit", "--trainer.accelerator=cpu", "--trainer.max_epochs=1", "--trainer.logger=false",
-                      "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
-                      f"--trainer.default_root_dir={tmp_path / 'run'}",
-                      f"--model.policy.name_or_path={tiny_model_dir}", "--model.policy.lora.r=4", "--model.progress=false", "--data.train_size=20",
-                      "--data.val_size=2", "--data.prompts_per_epoch=2", "--data.batch_size=4",
-                      "--data.sampling.group_size=4", "--data.sampling.max_new_tokens=4", *arguments])
+            cli.main(
+                [
+                    "fit",
+                    "--trainer.accelerator=cpu",
+                    "--trainer.max_epochs=1",
+                    "--trainer.logger=false",
+                    "--trainer.enable_progress_bar=false",
+                    "--trainer.enable_model_summary=false",
+                    f"--trainer.default_root_dir={tmp_path / 'run'}",
+                    f"--model.policy.name_or_path={tiny_model_dir}",
+                    "--model.policy.lora.r=4",
+                    "--model.progress=false",
+                    "--data.train_size=20",
+                    "--data.val_size=2",
+                    "--data.prompts_per_epoch=2",
+                    "--data.batch_size=4",
+                    "--data.sampling.group_size=4",
+                    "--data.sampling.max_new_tokens=4",
+                    *arguments,
+                ]
+            )
         except SystemExit as exit_:
             code = exit_.code
         lines = capsys.readouterr().err.strip().splitlines()
@@ -412,8 +490,9 @@ def fit(capsys, monkeypatch, tmp_path, tiny_model_dir):
 def lightning_checkpoint(path, r: int, tiny_model_dir: str) -> str:
     """A checkpoint as ``lit-grpo fit`` writes it, with the policy settings of LoRA rank ``r``."""
     policy = dataclasses.asdict(PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=r)))
-    torch.save({"pytorch-lightning_version": L.__version__, "state_dict": {},
-                "hyper_parameters": {"policy": policy}}, path)
+    torch.save(
+        {"pytorch-lightning_version": L.__version__, "state_dict": {}, "hyper_parameters": {"policy": policy}}, path
+    )
     return str(path)
 
 
@@ -429,17 +508,21 @@ def test_cli_checkpoint_that_is_not_a_lightning_checkpoint(fit, tmp_path):
     torch.save({"w": torch.zeros(3)}, tmp_path / "weights.ckpt")
     code, last = fit(f"--ckpt_path={tmp_path / 'weights.ckpt'}")
     assert code == 2
-    assert last.startswith(f"lit-grpo: ckpt_path='{tmp_path / 'weights.ckpt'}' is not a Lightning checkpoint "
-                           "(it has no 'pytorch-lightning_version' entry)")
+    assert last.startswith(
+        f"lit-grpo: ckpt_path='{tmp_path / 'weights.ckpt'}' is not a Lightning checkpoint "
+        "(it has no 'pytorch-lightning_version' entry)"
+    )
 
 
 def test_cli_checkpoint_of_another_lora_rank(fit, tmp_path, tiny_model_dir):
     path = lightning_checkpoint(tmp_path / "r8.ckpt", 8, tiny_model_dir)
     code, last = fit(f"--ckpt_path={path}")
     assert code == 2
-    assert last == (f"lit-grpo: ckpt_path='{path}' was saved for another policy: model.policy.lora.r=8 in the "
-                    "checkpoint, 4 in this run. Resume with the checkpoint's settings, or start a new run without "
-                    "--ckpt_path (in another trainer.default_root_dir).")
+    assert last == (
+        f"lit-grpo: ckpt_path='{path}' was saved for another policy: model.policy.lora.r=8 in the "
+        "checkpoint, 4 in this run. Resume with the checkpoint's settings, or start a new run without "
+        "--ckpt_path (in another trainer.default_root_dir)."
+    )
 
 
 def test_cli_last_checkpoint_of_another_lora_rank(fit, tmp_path, tiny_model_dir):
@@ -463,8 +546,10 @@ def test_cli_yaml_file_that_is_not_utf8(fit, tmp_path):
     offset = text.index(0xE9)
     code, last = fit(f"--config={tmp_path / 'latin.yaml'}")
     assert code == 2
-    assert last.startswith(f"lit-grpo: config file '{tmp_path / 'latin.yaml'}' is not UTF-8 text: byte {offset} "
-                           "(line 2) is 0xe9 (invalid continuation byte); save the file as UTF-8")
+    assert last.startswith(
+        f"lit-grpo: config file '{tmp_path / 'latin.yaml'}' is not UTF-8 text: byte {offset} "
+        "(line 2) is 0xe9 (invalid continuation byte); save the file as UTF-8"
+    )
 
 
 @pytest.mark.parametrize("field", ["export_adapter", "trainer.default_root_dir"])
@@ -474,8 +559,10 @@ def test_cli_output_folder_under_a_file(fit, tmp_path, monkeypatch, field):
     monkeypatch.setattr(OnPolicyDataModule, "rollout_buffer", lambda self: started.append(1))
     code, last = fit(f"--{field}={tmp_path / 'file' / 'out'}")
     assert code == 2
-    assert last == (f"lit-grpo: {field}='{tmp_path / 'file' / 'out'}' cannot be a folder: {tmp_path / 'file'} is a "
-                    "file; pick another path.")
+    assert last == (
+        f"lit-grpo: {field}='{tmp_path / 'file' / 'out'}' cannot be a folder: {tmp_path / 'file'} is a "
+        "file; pick another path."
+    )
     assert not started  # refused before the first rollout
 
 
@@ -498,8 +585,9 @@ def test_cli_disk_full_during_a_checkpoint_write(fit, tmp_path, monkeypatch):
     if not os.path.exists("/dev/full"):
         pytest.skip("needs /dev/full (Linux) to fail writes with ENOSPC")
     monkeypatch.setattr(checkpointing, "open", lambda path, mode: open("/dev/full", mode), raising=False)
-    code, last = fit("--model.validate_before_training=false",
-                     "--trainer.num_sanity_val_steps=0", "--trainer.limit_val_batches=0")
+    code, last = fit(
+        "--model.validate_before_training=false", "--trainer.num_sanity_val_steps=0", "--trainer.limit_val_batches=0"
+    )
     assert code == 2
     assert last.startswith(f"lit-grpo: the disk is full: writing the checkpoint {tmp_path / 'run' / 'checkpoints'}")
 
@@ -533,10 +621,13 @@ def test_unexpected_error_keeps_its_traceback(capsys):
     assert err[-1].startswith("lit-grpo: unexpected ZeroDivisionError at ") and "please report it" in err[-1]
 
 
-@pytest.mark.parametrize(("argument", "message"), [
-    ("--data.promts_per_epoch=2", "unrecognized arguments: --data.promts_per_epoch=2"),
-    ("--model.loss_type=ppo", "Expected a typing.Literal['grpo', 'bnpo', 'dapo', 'dr_grpo']. Got value: ppo"),
-])
+@pytest.mark.parametrize(
+    ("argument", "message"),
+    [
+        ("--data.promts_per_epoch=2", "unrecognized arguments: --data.promts_per_epoch=2"),
+        ("--model.loss_type=ppo", "Expected a typing.Literal['grpo', 'bnpo', 'dapo', 'dr_grpo']. Got value: ppo"),
+    ],
+)
 def test_cli_rejects_bad_keys_and_values(capsys, argument, message):
     from lit_grpo.cli import main
 
@@ -549,8 +640,10 @@ def test_a_really_full_disk_keeps_the_previous_checkpoint(tmp_path):
     # A 256 KiB tmpfs: the first checkpoint fits, the second (1 MiB of weights) does not.
     disk = tmp_path / "disk"
     disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)],
-                      capture_output=True).returncode != 0:
+    if (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], capture_output=True).returncode
+        != 0
+    ):
         pytest.skip("mounting a small tmpfs needs root")
     try:
         target = disk / "last.ckpt"
@@ -575,29 +668,44 @@ class NoReward(SecretScore):
         return None
 
 
-RAISING = ('--data.rewards=[{"class_path": "lit_grpo.rewards.FromCallable", '
-           '"init_args": {"function": "test_bad_inputs.raising_reward"}}]')
+RAISING = (
+    '--data.rewards=[{"class_path": "lit_grpo.rewards.FromCallable", '
+    '"init_args": {"function": "test_bad_inputs.raising_reward"}}]'
+)
 
 
 def test_cli_reward_that_raises_inside_the_rollout_is_the_last_line(fit):
     code, last = fit(RAISING)
     assert code == 2
-    assert last.startswith("lit-grpo: Reward 'raising_reward' raised on row 0: KeyError('tests'); its traceback is "
-                           "above. Fix the function"), last
+    assert last.startswith(
+        "lit-grpo: Reward 'raising_reward' raised on row 0: KeyError('tests'); its traceback is above. Fix the function"
+    ), last
 
 
 def test_cli_environment_reward_that_is_none_names_the_class_and_get_reward(fit):
-    code, last = fit("--data.source=guess_number", '--data.episodes.environment={"class_path": "test_bad_inputs.NoReward"}',
-                     "--data.rewards=[]", "--data.max_prompt_length=400")
+    code, last = fit(
+        "--data.source=guess_number",
+        '--data.episodes.environment={"class_path": "test_bad_inputs.NoReward"}',
+        "--data.rewards=[]",
+        "--data.max_prompt_length=400",
+    )
     assert code == 2
-    assert last.startswith("lit-grpo: test_bad_inputs.NoReward.get_reward() returned None (NoneType) on row 0; "
-                           "expected a number"), last
+    assert last.startswith(
+        "lit-grpo: test_bad_inputs.NoReward.get_reward() returned None (NoneType) on row 0; expected a number"
+    ), last
 
 
 def test_plain_trainer_reward_that_raises_inside_the_rollout_surfaces_as_itself(module):
     # Lightning's teardown used to raise "Please call `iter(combined_loader)` first." over it.
-    trainer = L.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, reload_dataloaders_every_n_epochs=1)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        reload_dataloaders_every_n_epochs=1,
+    )
     with pytest.raises(RewardFunctionError, match=r"Reward 'raising_reward' raised on row 0: KeyError\('tests'\)"):
         trainer.fit(module, data(rewards=[raising_reward], val_size=2))
 
@@ -605,10 +713,15 @@ def test_plain_trainer_reward_that_raises_inside_the_rollout_surfaces_as_itself(
 def test_a_vllm_server_that_does_not_answer_is_refused_before_training(tiny_model_dir):
     from lit_grpo.generation import GenerationSpec
 
-    module = GRPOModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4)),
-                        generation=GenerationSpec(backend="vllm_server", urls=["http://127.0.0.1:9"]))
-    with pytest.raises(ValueError, match=r"model.generation.urls\[0\]='http://127.0.0.1:9' does not answer as a "
-                                         r"vLLM server \(.*Connection refused.*\); start it with: "):
+    module = GRPOModule(
+        policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4)),
+        generation=GenerationSpec(backend="vllm_server", urls=["http://127.0.0.1:9"]),
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"model.generation.urls\[0\]='http://127.0.0.1:9' does not answer as a "
+        r"vLLM server \(.*Connection refused.*\); start it with: ",
+    ):
         module.engine.check()
 
 

@@ -26,32 +26,53 @@ TESTS = Path(__file__).parent
 
 # (phase, epoch, index): see tests/chaos.py. Steps per epoch: 4 (global steps 1-4, 5-8).
 KILLS = [
-    ("rollout", 0, 5),     # epoch 0's first rollout, before any checkpoint: starts over
-    ("backward", 0, 1),    # second micro-batch of epoch 0, resumes from step 1 (inside the epoch)
+    ("rollout", 0, 5),  # epoch 0's first rollout, before any checkpoint: starts over
+    ("backward", 0, 1),  # second micro-batch of epoch 0, resumes from step 1 (inside the epoch)
     ("checkpoint", 0, 2),  # half of epoch=0-step=2.ckpt written
-    ("optimizer", 0, 3),   # the last step of epoch 0, resumes from step 3
-    ("rollout", 1, 3),     # epoch 1's rollout, resumes from the end of epoch 0
-    ("backward", 1, 2),    # inside epoch 1, resumes from step 6
-    ("export", 0, 0),      # fit is done: half of adapter_model.safetensors written
+    ("optimizer", 0, 3),  # the last step of epoch 0, resumes from step 3
+    ("rollout", 1, 3),  # epoch 1's rollout, resumes from the end of epoch 0
+    ("backward", 1, 2),  # inside epoch 1, resumes from step 6
+    ("export", 0, 0),  # fit is done: half of adapter_model.safetensors written
 ]
 
 
 def fit_command(model_dir: str, root: Path, *extra: str) -> list[str]:
     reward = '[{"class_path": "lit_grpo.rewards.FromCallable", "init_args": {"function": "chaos.letter_share"}}]'
     return [
-        sys.executable, "-m", "lit_grpo.cli", "fit",
-        "--seed_everything=0", "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.max_epochs=2",
-        "--trainer.logger=false", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
-        "--trainer.num_sanity_val_steps=0", f"--trainer.default_root_dir={root}",
+        sys.executable,
+        "-m",
+        "lit_grpo.cli",
+        "fit",
+        "--seed_everything=0",
+        "--trainer.accelerator=cpu",
+        "--trainer.devices=1",
+        "--trainer.max_epochs=2",
+        "--trainer.logger=false",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        "--trainer.num_sanity_val_steps=0",
+        f"--trainer.default_root_dir={root}",
         "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-        f"--trainer.callbacks.dirpath={root / 'checkpoints'}", "--trainer.callbacks.every_n_train_steps=1",
-        "--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.save_last=true",
-        f"--model.policy.name_or_path={model_dir}", "--model.policy.lora.r=4", "--model.policy.lora.dropout=0.1",
-        "--model.progress=false", "--model.validate_before_training=false",
-        "--data.train_size=40", "--data.val_size=4", "--data.prompts_per_epoch=2", "--data.batch_size=2",
-        "--data.sampling.group_size=4", "--data.sampling.max_new_tokens=8", f"--data.rewards={reward}",
-        "--model.optimizer=torch.optim.AdamW", "--model.optimizer.lr=0.01",
-        f"--export_adapter={root / 'adapter'}", *extra,
+        f"--trainer.callbacks.dirpath={root / 'checkpoints'}",
+        "--trainer.callbacks.every_n_train_steps=1",
+        "--trainer.callbacks.save_top_k=-1",
+        "--trainer.callbacks.save_last=true",
+        f"--model.policy.name_or_path={model_dir}",
+        "--model.policy.lora.r=4",
+        "--model.policy.lora.dropout=0.1",
+        "--model.progress=false",
+        "--model.validate_before_training=false",
+        "--data.train_size=40",
+        "--data.val_size=4",
+        "--data.prompts_per_epoch=2",
+        "--data.batch_size=2",
+        "--data.sampling.group_size=4",
+        "--data.sampling.max_new_tokens=8",
+        f"--data.rewards={reward}",
+        "--model.optimizer=torch.optim.AdamW",
+        "--model.optimizer.lr=0.01",
+        f"--export_adapter={root / 'adapter'}",
+        *extra,
     ]
 
 
@@ -63,13 +84,22 @@ def run(command: list[str], timeout: float = 300) -> subprocess.CompletedProcess
 def test_seven_kills_in_five_phases_resume_to_the_same_adapter(tmp_path, tiny_model_dir):
     straight_dir, chaos_dir = tmp_path / "straight", tmp_path / "chaos"
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(TESTS)}
-    straight = subprocess.Popen(fit_command(tiny_model_dir, straight_dir), env=env, text=True,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    straight = subprocess.Popen(
+        fit_command(tiny_model_dir, straight_dir), env=env, text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     started = time.monotonic()
     for phase, epoch, index in KILLS:
-        result = run(fit_command(tiny_model_dir, chaos_dir, "--ckpt_path=last",
-                                 "--trainer.callbacks+=chaos.Chaos", f"--trainer.callbacks.phase={phase}",
-                                 f"--trainer.callbacks.epoch={epoch}", f"--trainer.callbacks.index={index}"))
+        result = run(
+            fit_command(
+                tiny_model_dir,
+                chaos_dir,
+                "--ckpt_path=last",
+                "--trainer.callbacks+=chaos.Chaos",
+                f"--trainer.callbacks.phase={phase}",
+                f"--trainer.callbacks.epoch={epoch}",
+                f"--trainer.callbacks.index={index}",
+            )
+        )
         assert result.returncode == -9, f"{phase} {epoch} {index} did not strike:\n{result.stderr[-3000:]}"
         if phase == "export":  # the first export, killed half-way: no adapter folder at all, not a part of one
             assert not (chaos_dir / "adapter").exists()

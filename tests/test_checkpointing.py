@@ -77,10 +77,16 @@ def test_cli_trainer_is_crash_safe_by_default(tmp_path, tiny_model_dir):
     from lit_grpo.cli import GRPOCli
     from lit_grpo.data.grpo import OnPolicyDataModule
 
-    cli = GRPOCli(GRPOModule, OnPolicyDataModule, run=False, args=[
-        f"--model.policy.name_or_path={tiny_model_dir}", f"--trainer.default_root_dir={tmp_path}",
-        "--trainer.logger=false",
-    ])
+    cli = GRPOCli(
+        GRPOModule,
+        OnPolicyDataModule,
+        run=False,
+        args=[
+            f"--model.policy.name_or_path={tiny_model_dir}",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.logger=false",
+        ],
+    )
     assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO)
     (checkpoint,) = [c for c in cli.trainer.callbacks if isinstance(c, ModelCheckpoint)]
     assert checkpoint.save_last is True

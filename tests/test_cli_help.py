@@ -21,7 +21,9 @@ def test_lightning_commands_that_do_nothing_here_are_gone():
     result = lit_grpo("test")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
-        "lit-grpo: unknown command 'test'; expected one of ['fit', 'validate', 'eval', 'plot', 'dpo', 'ppo', 'sft', 'rm'].")
+        "lit-grpo: unknown command 'test'; expected one of "
+        "['fit', 'validate', 'eval', 'plot', 'dpo', 'ppo', 'sft', 'rm']."
+    )
     fit_help = lit_grpo("fit", "--help")
     assert fit_help.returncode == 0 and "--export_adapter" in fit_help.stdout and "Warning" not in fit_help.stderr
 

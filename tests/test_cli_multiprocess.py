@@ -34,22 +34,57 @@ DEADLINE_S = 300  # a run here takes ~40 s; a hang is what takes longer
 def cli_args(tiny: str, root: Path, *extra: str) -> list[str]:
     """Overrides that shrink a shipped config to the tiny model, 2 ranks, 2 epochs."""
     return [
-        "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.max_epochs", "2",
-        "--trainer.check_val_every_n_epoch", "1", "--trainer.default_root_dir", str(root),
-        "--model.policy.name_or_path", tiny, "--model.policy.dtype", "float32",
-        "--data.prompts_per_epoch", "2", "--data.batch_size", "8", "--data.val_size", "4",
-        "--data.sampling.max_new_tokens", "8",
+        "--trainer.accelerator",
+        "cpu",
+        "--trainer.devices",
+        "2",
+        "--trainer.max_epochs",
+        "2",
+        "--trainer.check_val_every_n_epoch",
+        "1",
+        "--trainer.default_root_dir",
+        str(root),
+        "--model.policy.name_or_path",
+        tiny,
+        "--model.policy.dtype",
+        "float32",
+        "--data.prompts_per_epoch",
+        "2",
+        "--data.batch_size",
+        "8",
+        "--data.val_size",
+        "4",
+        "--data.sampling.max_new_tokens",
+        "8",
         # A random model never answers right; the text length still differs within a group.
-        "--data.rewards", json.dumps([{"class_path": "lit_grpo.rewards.FromCallable",
-                                       "init_args": {"function": "distributed_worker.text_length"}}]),
-        "--export_adapter", str(root / "adapter"), "--collective_timeout", "120", *extra,
+        "--data.rewards",
+        json.dumps(
+            [
+                {
+                    "class_path": "lit_grpo.rewards.FromCallable",
+                    "init_args": {"function": "distributed_worker.text_length"},
+                }
+            ]
+        ),
+        "--export_adapter",
+        str(root / "adapter"),
+        "--collective_timeout",
+        "120",
+        *extra,
     ]
 
 
 def start(args: list[str], command: tuple[str, ...] = ("fit",)) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.Popen([shutil.which("lit-grpo"), *command, *args], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        [shutil.which("lit-grpo"), *command, *args],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def finish(process: subprocess.Popen, deadline_s: float = DEADLINE_S) -> tuple[int, str]:
@@ -97,18 +132,34 @@ def assert_outputs(root: Path, output: str, metrics: tuple[str, ...] = METRICS) 
 
 
 def test_ddp_cli_run_as_users_type_it(tiny_model_dir, tmp_path):
-    code, output = finish(start(["--config", "configs/quickstart.yaml", "--trainer.strategy", "ddp",
-                                 *cli_args(tiny_model_dir, tmp_path, "--trainer.logger.init_args.save_dir",
-                                           str(tmp_path))]))
+    code, output = finish(
+        start(
+            [
+                "--config",
+                "configs/quickstart.yaml",
+                "--trainer.strategy",
+                "ddp",
+                *cli_args(tiny_model_dir, tmp_path, "--trainer.logger.init_args.save_dir", str(tmp_path)),
+            ]
+        )
+    )
     assert code == 0, output[-6000:]
     assert_outputs(tmp_path, output)
 
 
 def test_ddp_cli_run_with_a_tool(tiny_model_dir, tmp_path):
     # configs/tools.yaml: every completion is an episode (the random model never calls the calculator).
-    code, output = finish(start(["--config", "configs/tools.yaml", "--trainer.strategy", "ddp",
-                                 *cli_args(tiny_model_dir, tmp_path, "--trainer.logger.init_args.save_dir",
-                                           str(tmp_path))]))
+    code, output = finish(
+        start(
+            [
+                "--config",
+                "configs/tools.yaml",
+                "--trainer.strategy",
+                "ddp",
+                *cli_args(tiny_model_dir, tmp_path, "--trainer.logger.init_args.save_dir", str(tmp_path)),
+            ]
+        )
+    )
     assert code == 0, output[-6000:]
     # configs/tools.yaml trains with beta 0: no reference pass, so no train/kl
     assert_outputs(tmp_path, output, metrics=tuple(name for name in METRICS if name != "train/kl"))
@@ -119,14 +170,34 @@ def test_ddp_cli_run_with_a_tool(tiny_model_dir, tmp_path):
 def test_fsdp2_cli_run_with_the_shipped_config(tiny_model_dir, tmp_path):
     # configs/fsdp.yaml is written for GPUs and a hub dataset; only what a CPU run
     # must change is overridden, the strategy and its device mesh stay as shipped.
-    code, output = finish(start([
-        "--config", "configs/fsdp.yaml", "--trainer.precision", "32-true",
-        "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(tmp_path),
-        "--trainer.callbacks+=lit_grpo.evaluation.plots.PlotCallback",
-        "--data.source", "arithmetic", "--data.val_split", "null", "--data.columns", "null",
-        "--data.prompt_template", "{prompt}", "--model.policy.gradient_checkpointing", "false",
-        "--model.policy.lora.r", "16", *cli_args(tiny_model_dir, tmp_path),
-    ]))
+    code, output = finish(
+        start(
+            [
+                "--config",
+                "configs/fsdp.yaml",
+                "--trainer.precision",
+                "32-true",
+                "--trainer.logger",
+                "lightning.pytorch.loggers.CSVLogger",
+                "--trainer.logger.save_dir",
+                str(tmp_path),
+                "--trainer.callbacks+=lit_grpo.evaluation.plots.PlotCallback",
+                "--data.source",
+                "arithmetic",
+                "--data.val_split",
+                "null",
+                "--data.columns",
+                "null",
+                "--data.prompt_template",
+                "{prompt}",
+                "--model.policy.gradient_checkpointing",
+                "false",
+                "--model.policy.lora.r",
+                "16",
+                *cli_args(tiny_model_dir, tmp_path),
+            ]
+        )
+    )
     assert code == 0, output[-6000:]
     assert_outputs(tmp_path, output)
     assert list((tmp_path / "checkpoints" / "last.ckpt").glob("*.distcp"))  # sharded, as FSDP2 saves
@@ -139,13 +210,33 @@ def test_ppo_under_fsdp2_keeps_ranks_equal_and_resumes_from_its_sharded_checkpoi
     # (as the value head once was) is a full copy per rank, trained on that rank's rows alone.
     def run(root: Path, epochs: int, *extra: str) -> str:
         root.mkdir()
-        code, output = finish(start([
-            "--config", "configs/ppo_quickstart.yaml", "--trainer.strategy.class_path", "ModelParallelStrategy",
-            *cli_args(tiny_model_dir, root, "--trainer.logger.init_args.save_dir", str(root),
-                      "--data.prompts_per_epoch", "4", "--data.batch_size", "4", "--trainer.max_epochs", str(epochs),
-                      "--trainer.callbacks+=rank_state.SaveRankState", "--trainer.callbacks.folder", str(root),
-                      *extra),
-        ], command=("ppo", "fit")))
+        code, output = finish(
+            start(
+                [
+                    "--config",
+                    "configs/ppo_quickstart.yaml",
+                    "--trainer.strategy.class_path",
+                    "ModelParallelStrategy",
+                    *cli_args(
+                        tiny_model_dir,
+                        root,
+                        "--trainer.logger.init_args.save_dir",
+                        str(root),
+                        "--data.prompts_per_epoch",
+                        "4",
+                        "--data.batch_size",
+                        "4",
+                        "--trainer.max_epochs",
+                        str(epochs),
+                        "--trainer.callbacks+=rank_state.SaveRankState",
+                        "--trainer.callbacks.folder",
+                        str(root),
+                        *extra,
+                    ),
+                ],
+                command=("ppo", "fit"),
+            )
+        )
         assert code == 0, output[-6000:]
         return output
 
@@ -176,8 +267,15 @@ def test_ppo_under_fsdp2_keeps_ranks_equal_and_resumes_from_its_sharded_checkpoi
 
 
 def stalled_run(tiny: str, root: Path, *extra: str) -> subprocess.Popen:
-    return start(["--config", "configs/quickstart.yaml", "--trainer.strategy", "ddp",
-                  *cli_args(tiny, root, "--trainer.callbacks+=stalling_rank.StallingRank", *extra)])
+    return start(
+        [
+            "--config",
+            "configs/quickstart.yaml",
+            "--trainer.strategy",
+            "ddp",
+            *cli_args(tiny, root, "--trainer.callbacks+=stalling_rank.StallingRank", *extra),
+        ]
+    )
 
 
 def test_a_rank_conditional_collective_ends_in_an_error_naming_the_hook(tiny_model_dir, tmp_path):
@@ -205,8 +303,7 @@ def test_sigterm_ends_every_rank_even_inside_a_collective(tiny_model_dir, tmp_pa
     assert "ending this process and its child ranks" in output
 
 
-def test_fsdp2_killed_inside_epochs_resumes_from_its_sharded_checkpoints_to_the_same_adapter(tiny_model_dir,
-                                                                                          tmp_path):
+def test_fsdp2_killed_inside_epochs_resumes_from_its_sharded_checkpoints_to_the_same_adapter(tiny_model_dir, tmp_path):
     # Both ranks SIGKILLed at once (the run's process group) before an optimizer step inside an epoch,
     # twice, and once inside the save of last.ckpt (every shard written, rank 0's meta.pt not:
     # written in place, the folder then held step 7's weights with step 6's loop state); each time
@@ -214,29 +311,54 @@ def test_fsdp2_killed_inside_epochs_resumes_from_its_sharded_checkpoints_to_the_
     # epoch. (A gradient hook on a sharded parameter never fires under FSDP2, so the kill comes
     # before the step, not inside backward.)
     def run(root: Path, *extra: str) -> tuple[int, str]:
-        return finish(start([
-            "--config", "configs/quickstart.yaml",
-            "--trainer.strategy", '{"class_path": "lightning.pytorch.strategies.ModelParallelStrategy"}',
-            *cli_args(tiny_model_dir, root, "--trainer.logger", "false", "--trainer.callbacks=[]",
-                      "--data.prompts_per_epoch", "4", "--data.batch_size", "4",
-                      "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-                      f"--trainer.callbacks.dirpath={root / 'checkpoints'}",
-                      "--trainer.callbacks.every_n_train_steps=1", "--trainer.callbacks.save_last=true", *extra),
-        ]))
+        return finish(
+            start(
+                [
+                    "--config",
+                    "configs/quickstart.yaml",
+                    "--trainer.strategy",
+                    '{"class_path": "lightning.pytorch.strategies.ModelParallelStrategy"}',
+                    *cli_args(
+                        tiny_model_dir,
+                        root,
+                        "--trainer.logger",
+                        "false",
+                        "--trainer.callbacks=[]",
+                        "--data.prompts_per_epoch",
+                        "4",
+                        "--data.batch_size",
+                        "4",
+                        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+                        f"--trainer.callbacks.dirpath={root / 'checkpoints'}",
+                        "--trainer.callbacks.every_n_train_steps=1",
+                        "--trainer.callbacks.save_last=true",
+                        *extra,
+                    ),
+                ]
+            )
+        )
 
     code, output = run(tmp_path / "straight")
     assert code == 0, output[-6000:]
     chaos = tmp_path / "chaos"
     for phase, epoch, index in (("optimizer", 0, 2), ("optimizer", 1, 1), ("sharded_checkpoint", 1, 7)):
-        code, output = run(chaos, "--ckpt_path", "last", "--trainer.callbacks+=chaos.Chaos",
-                           f"--trainer.callbacks.phase={phase}", f"--trainer.callbacks.epoch={epoch}",
-                           f"--trainer.callbacks.index={index}", "--trainer.callbacks.group=true")
+        code, output = run(
+            chaos,
+            "--ckpt_path",
+            "last",
+            "--trainer.callbacks+=chaos.Chaos",
+            f"--trainer.callbacks.phase={phase}",
+            f"--trainer.callbacks.epoch={epoch}",
+            f"--trainer.callbacks.index={index}",
+            "--trainer.callbacks.group=true",
+        )
         assert code == -9, f"{phase} {epoch} {index} did not strike:\n{output[-3000:]}"
         assert list((chaos / "checkpoints" / "last.ckpt").glob("*.distcp"))  # sharded
     code, output = run(chaos, "--ckpt_path", "last")
     assert code == 0, output[-6000:]
-    expected, actual = (load_file(root / "adapter" / "adapter_model.safetensors")
-                        for root in (tmp_path / "straight", chaos))
+    expected, actual = (
+        load_file(root / "adapter" / "adapter_model.safetensors") for root in (tmp_path / "straight", chaos)
+    )
     assert any(t.abs().max() > 0 for name, t in expected.items() if "lora_B" in name)  # it trained
     for name in expected:
         assert torch.equal(expected[name], actual[name]), name
@@ -245,22 +367,48 @@ def test_fsdp2_killed_inside_epochs_resumes_from_its_sharded_checkpoints_to_the_
 DDP, FSDP2 = ("--trainer.strategy", "ddp"), ("--trainer.strategy.class_path", "ModelParallelStrategy")
 
 
-@pytest.mark.parametrize("command, strategy", [("sft", DDP), ("rm", DDP), ("rm", FSDP2), ("dpo", FSDP2)],
-                         ids=["sft-ddp", "rm-ddp", "rm-fsdp2", "dpo-fsdp2"])
+@pytest.mark.parametrize(
+    "command, strategy",
+    [("sft", DDP), ("rm", DDP), ("rm", FSDP2), ("dpo", FSDP2)],
+    ids=["sft-ddp", "rm-ddp", "rm-fsdp2", "dpo-fsdp2"],
+)
 def test_dataset_cli_runs_on_two_ranks(tiny_model_dir, tmp_path, command, strategy):
     # SFT, the reward model and DPO on 2 ranks, as users type them: the shipped configs shrunk to the
     # tiny model (the RM starts from the raw base here, not from an SFT adapter), progress bar on.
     # Under FSDP2 the reward model takes one full pass per conversation (no prefix cache) and its
     # head is a sharded unit of its own; the checkpoints are sharded.
     export = tmp_path / "export"
-    code, output = finish(start([
-        "--config", f"configs/{command}_quickstart.yaml", *strategy, "--trainer.devices", "2", "--trainer.max_steps", "4",
-        "--trainer.default_root_dir", str(tmp_path), "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
-        "--trainer.logger.save_dir", str(tmp_path), "--model.policy.name_or_path", tiny_model_dir,
-        "--model.policy.dtype", "float32", "--data.train_size", "64", "--data.val_size", "8",
-        "--export_adapter", str(export),
-        *(["--model.policy.init_adapter", "null"] if command == "rm" else []),
-    ], command=(command, "fit")))
+    code, output = finish(
+        start(
+            [
+                "--config",
+                f"configs/{command}_quickstart.yaml",
+                *strategy,
+                "--trainer.devices",
+                "2",
+                "--trainer.max_steps",
+                "4",
+                "--trainer.default_root_dir",
+                str(tmp_path),
+                "--trainer.logger",
+                "lightning.pytorch.loggers.CSVLogger",
+                "--trainer.logger.save_dir",
+                str(tmp_path),
+                "--model.policy.name_or_path",
+                tiny_model_dir,
+                "--model.policy.dtype",
+                "float32",
+                "--data.train_size",
+                "64",
+                "--data.val_size",
+                "8",
+                "--export_adapter",
+                str(export),
+                *(["--model.policy.init_adapter", "null"] if command == "rm" else []),
+            ],
+            command=(command, "fit"),
+        )
+    )
     assert code == 0, output[-6000:]
     assert "returned a view tensor" not in output
     rows = list(csv.DictReader(next((tmp_path / "lightning_logs").iterdir()).joinpath("metrics.csv").open()))
@@ -296,20 +444,41 @@ def assert_classifier_scores_as_adapter_and_head(export: Path, base: str, head: 
     linear.weight.data.copy_(head)
     with torch.no_grad():
         expected = backbone_scores(policy, linear, ids, mask, tokenizer.pad_token_id)
-        torch.testing.assert_close(classifier(input_ids=ids, attention_mask=mask).logits[:, 0], expected,
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            classifier(input_ids=ids, attention_mask=mask).logits[:, 0], expected, rtol=1e-5, atol=1e-5
+        )
 
 
 def test_sigterm_to_rank_0_stops_both_ranks_at_one_step_with_a_checkpoint_that_resumes(tiny_model_dir, tmp_path):
     # `kill PID` reaches rank 0 only (inside backward of its first micro-batch): rank 0 passes it
     # on, the ranks agree at the next optimizer step, rank 0 writes last.ckpt, both exit 143.
     def run(*extra: str) -> tuple[int, str]:
-        return finish(start(["--config", "configs/quickstart.yaml", "--trainer.strategy", "ddp",
-                             *cli_args(tiny_model_dir, tmp_path, "--trainer.logger.init_args.save_dir",
-                                       str(tmp_path), "--data.batch_size", "4", *extra)]))
+        return finish(
+            start(
+                [
+                    "--config",
+                    "configs/quickstart.yaml",
+                    "--trainer.strategy",
+                    "ddp",
+                    *cli_args(
+                        tiny_model_dir,
+                        tmp_path,
+                        "--trainer.logger.init_args.save_dir",
+                        str(tmp_path),
+                        "--data.batch_size",
+                        "4",
+                        *extra,
+                    ),
+                ]
+            )
+        )
 
-    code, output = run("--trainer.callbacks+=chaos.Chaos", "--trainer.callbacks.phase=backward",
-                       "--trainer.callbacks.strike=SIGTERM", "--trainer.callbacks.rank=0")
+    code, output = run(
+        "--trainer.callbacks+=chaos.Chaos",
+        "--trainer.callbacks.phase=backward",
+        "--trainer.callbacks.strike=SIGTERM",
+        "--trainer.callbacks.rank=0",
+    )
     assert code == 128 + signal.SIGTERM, output[-6000:]
     last = output.strip().splitlines()[-1]
     assert last.startswith("lit-grpo: stopped by SIGTERM at step 1 (epoch 0); checkpoint saved to "), last
@@ -322,9 +491,24 @@ def test_sigterm_to_rank_0_stops_both_ranks_at_one_step_with_a_checkpoint_that_r
 
 def test_ddp_samples_one_rollout_ahead_with_data_staleness_1(tiny_model_dir, tmp_path):
     # Each rank's worker samples epoch 1's rollout while epoch 0 trains; epoch 1 trains on it.
-    code, output = finish(start(["--config", "configs/quickstart.yaml", "--trainer.strategy", "ddp",
-                                 *cli_args(tiny_model_dir, tmp_path, "--trainer.logger.init_args.save_dir",
-                                           str(tmp_path), "--data.staleness", "1")]))
+    code, output = finish(
+        start(
+            [
+                "--config",
+                "configs/quickstart.yaml",
+                "--trainer.strategy",
+                "ddp",
+                *cli_args(
+                    tiny_model_dir,
+                    tmp_path,
+                    "--trainer.logger.init_args.save_dir",
+                    str(tmp_path),
+                    "--data.staleness",
+                    "1",
+                ),
+            ]
+        )
+    )
     assert code == 0, output[-6000:]
     assert_outputs(tmp_path, output)
     rows = list(csv.DictReader(next((tmp_path / "lightning_logs").iterdir()).joinpath("metrics.csv").open()))

@@ -12,7 +12,6 @@ import json
 import shutil
 from pathlib import Path
 
-
 from test_bad_inputs import fit  # noqa: F401  (the fixture: lit-grpo fit on the tiny model, in-process)
 
 
@@ -24,7 +23,9 @@ def test_optimizer_value_torch_refuses(fit):  # noqa: F811
 
 def test_scheduler_value_torch_refuses(fit):  # noqa: F811
     # torch's message quotes no value: every configured value is shown
-    code, last = fit("--model.scheduler=torch.optim.lr_scheduler.LinearLR", "--model.scheduler.init_args.start_factor=2")
+    code, last = fit(
+        "--model.scheduler=torch.optim.lr_scheduler.LinearLR", "--model.scheduler.init_args.start_factor=2"
+    )
     assert code == 2
     assert last.startswith("lit-grpo: model.scheduler.init_args={start_factor: 2.0, ")
     assert "torch refuses it: Starting multiplicative factor expected to be greater than 0" in last
@@ -40,8 +41,10 @@ def test_folder_that_is_not_a_model_names_what_is_missing(fit, tmp_path, tiny_mo
     (tmp_path / "notes").mkdir()
     code, last = fit(f"--model.policy.name_or_path={tmp_path / 'notes'}")
     assert code == 2
-    assert last.startswith(f"lit-grpo: policy.name_or_path='{tmp_path / 'notes'}' is not a model folder: it has "
-                           "no config.json and no weights")
+    assert last.startswith(
+        f"lit-grpo: policy.name_or_path='{tmp_path / 'notes'}' is not a model folder: it has "
+        "no config.json and no weights"
+    )
     weights_only = tmp_path / "weights_only"
     weights_only.mkdir()
     for name in ("config.json", "model.safetensors"):
@@ -73,8 +76,16 @@ def test_task_with_fewer_questions_than_train_size_names_it(fit):  # noqa: F811
 def test_conversational_prompts_train_through_the_cli(fit, tmp_path):  # noqa: F811
     # TRL's conversational format: the prompt column holds message lists (crashed at setup:
     # "unhashable type: 'list'" from the held-out slices' set of taken prompts).
-    rows = [{"prompt": [{"role": "system", "content": "Answer with a number."},
-                        {"role": "user", "content": f"What is {i} + {i}?"}], "answer": str(2 * i)} for i in range(12)]
+    rows = [
+        {
+            "prompt": [
+                {"role": "system", "content": "Answer with a number."},
+                {"role": "user", "content": f"What is {i} + {i}?"},
+            ],
+            "answer": str(2 * i),
+        }
+        for i in range(12)
+    ]
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     code, last = fit(f"--data.source={data}", "--data.train_size=10", f"--export_adapter={tmp_path / 'adapter'}")
@@ -86,17 +97,21 @@ def test_strategy_class_name_as_a_string_names_the_class_path_form(fit):  # noqa
     # Lightning would read the string as a registered name and fail with "invalid strategy name".
     code, last = fit("--trainer.strategy=ModelParallelStrategy")
     assert code == 2
-    assert last == ("lit-grpo: trainer.strategy='ModelParallelStrategy' is a class name, and Lightning reads a "
-                    "string as a registered strategy name (ddp, fsdp, ...); pass the class: "
-                    "--trainer.strategy.class_path ModelParallelStrategy (in YAML: strategy: "
-                    "{class_path: ModelParallelStrategy}).")
+    assert last == (
+        "lit-grpo: trainer.strategy='ModelParallelStrategy' is a class name, and Lightning reads a "
+        "string as a registered strategy name (ddp, fsdp, ...); pass the class: "
+        "--trainer.strategy.class_path ModelParallelStrategy (in YAML: strategy: "
+        "{class_path: ModelParallelStrategy})."
+    )
 
 
 def test_an_episode_key_of_the_old_flat_layout_names_its_new_place(fit, tmp_path):  # noqa: F811
     code, last = fit('--data.tools=["lit_grpo.environments.builtin.calculator"]')
     assert code == 2
-    assert last == ("lit-grpo: data.tools is now data.episodes.tools (the episode settings are one group, "
-                    "data.episodes); move it there.")
+    assert last == (
+        "lit-grpo: data.tools is now data.episodes.tools (the episode settings are one group, "
+        "data.episodes); move it there."
+    )
     config = tmp_path / "old.yaml"
     config.write_text("data:\n  max_turns: 2\n  environment:\n    class_path: x.Y\n")
     code, last = fit(f"--config={config}")

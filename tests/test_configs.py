@@ -27,4 +27,7 @@ def test_config_parses(config, capsys):
         main([*usage.group(1).split(), "--config", str(config), "--print_config"])
     assert exit_info.value.code in (0, None)
     printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed["model"]["policy"]["name_or_path"] == yaml.safe_load(config.read_text())["model"]["policy"]["name_or_path"]
+    assert (
+        printed["model"]["policy"]["name_or_path"]
+        == yaml.safe_load(config.read_text())["model"]["policy"]["name_or_path"]
+    )

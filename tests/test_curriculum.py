@@ -10,8 +10,11 @@ from lit_grpo.data.preferences import PreferenceDataModule
 from lit_grpo.data.reward_pairs import RewardDataModule
 from lit_grpo.data.tasks import slip_kind
 
-STAGES = [{"share": 0.4, "task_args": {"slips": ["off_by_1"]}}, {"share": 0.4, "task_args": {"slips": ["off_by_10"]}},
-          {}]
+STAGES = [
+    {"share": 0.4, "task_args": {"slips": ["off_by_1"]}},
+    {"share": 0.4, "task_args": {"slips": ["off_by_10"]}},
+    {},
+]
 
 
 def kinds(rows: list[dict]) -> set[str]:
@@ -27,7 +30,11 @@ def data(cls=RewardDataModule, **kwargs):
 
 def test_each_stage_draws_its_own_slips_on_new_questions_and_the_held_out_pairs_stay():
     staged, plain = data(curriculum=STAGES), data()
-    assert staged.curriculum.stages == [Stage(16, 16), Stage(16, 16), Stage(8, 8)]  # the last takes the rest of train_size
+    assert staged.curriculum.stages == [
+        Stage(16, 16),
+        Stage(16, 16),
+        Stage(8, 8),
+    ]  # the last takes the rest of train_size
     rows = staged.train_rows
     assert kinds(rows[:16]) == {"off_by_1"} and kinds(rows[16:32]) == {"off_by_10"}
     assert staged.val_rows == plain.val_rows  # held out as without a curriculum, every slip
@@ -46,8 +53,10 @@ def test_an_epoch_goes_through_the_stages_in_order_and_resumes_inside_one():
     order.set_epoch(0)
     resumed = EpochSampler(range(40), 4, 1, 0, seed=0, start_batch=lambda epoch: 3, curriculum=Curriculum(stages))
     assert list(resumed) == first[12:]  # 3 batches of 4 already trained
-    ranks = [list(EpochSampler(range(40), 4, 2, rank, seed=0, start_batch=lambda e: 0, curriculum=Curriculum(stages)))
-             for rank in (0, 1)]
+    ranks = [
+        list(EpochSampler(range(40), 4, 2, rank, seed=0, start_batch=lambda e: 0, curriculum=Curriculum(stages)))
+        for rank in (0, 1)
+    ]
     assert sorted(ranks[0] + ranks[1]) == list(range(40))
     assert all(i < 16 for rank in ranks for i in rank[:8])  # both ranks train the first stage first
 
@@ -63,23 +72,35 @@ def test_dpo_batches_follow_the_stages_too():
     assert data(PreferenceDataModule).train_dataloader().sampler.curriculum is None
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"source": "pairs.jsonl", "task_args": None}, "data.curriculum needs a built-in task"),
-    ({"curriculum": [{"share": 0.8}, {"share": 0.4}, {}]}, r"data.curriculum\[1\]=.* gets 16 of data.train_size=40"),
-    ({"curriculum": [{"share": 0.5}, {"share": 0.5}, {}]}, r"data.curriculum\[2\]=\{\} gets 0 of"),
-    ({"curriculum": [{"task_args": {}}, {}]}, r"data.curriculum\[0\]=\{'task_args': \{\}\}; expected"),
-    ({"curriculum": [{"share": 1.5}, {}]}, r"data.curriculum\[0\]=.*0 < share < 1"),
-    ({"curriculum": [{"share": 0.5}, {"share": 0.5}]}, r"data.curriculum\[1\]=.*no share on the last stage"),
-    ({"curriculum": [{"share": 0.5, "slips": ["off_by_1"]}, {}]}, r"data.curriculum\[0\]=.*expected"),
-    ({"curriculum": [{"share": 0.2, "task_args": {"slips": ["off_by_2"]}}, {}]},
-     r"data.curriculum\[0\]: arithmetic_preferences with .* slips=\['off_by_2'\]"),
-    ({"task_args": [{"digits": 2}, {"digits": 3}]}, "task_args as a mix"),
-    ({"curriculum": [{"share": 0.5, "until": {"accuracy": 1.5, "pairs": 8}}, {}]},
-     r"data.curriculum\[0\].until=\{'accuracy': 1.5, 'pairs': 8\}; expected \{accuracy: a, pairs: n\}"),
-    ({"curriculum": [{"share": 0.5, "until": {"accuracy": 0.9}}, {}]}, r"data.curriculum\[0\].until=.*expected"),
-    ({"curriculum": [{"share": 0.5}, {"until": {"accuracy": 0.9, "pairs": 8}}]},
-     r"data.curriculum\[1\].until=.*on a stage that has one after it"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"source": "pairs.jsonl", "task_args": None}, "data.curriculum needs a built-in task"),
+        (
+            {"curriculum": [{"share": 0.8}, {"share": 0.4}, {}]},
+            r"data.curriculum\[1\]=.* gets 16 of data.train_size=40",
+        ),
+        ({"curriculum": [{"share": 0.5}, {"share": 0.5}, {}]}, r"data.curriculum\[2\]=\{\} gets 0 of"),
+        ({"curriculum": [{"task_args": {}}, {}]}, r"data.curriculum\[0\]=\{'task_args': \{\}\}; expected"),
+        ({"curriculum": [{"share": 1.5}, {}]}, r"data.curriculum\[0\]=.*0 < share < 1"),
+        ({"curriculum": [{"share": 0.5}, {"share": 0.5}]}, r"data.curriculum\[1\]=.*no share on the last stage"),
+        ({"curriculum": [{"share": 0.5, "slips": ["off_by_1"]}, {}]}, r"data.curriculum\[0\]=.*expected"),
+        (
+            {"curriculum": [{"share": 0.2, "task_args": {"slips": ["off_by_2"]}}, {}]},
+            r"data.curriculum\[0\]: arithmetic_preferences with .* slips=\['off_by_2'\]",
+        ),
+        ({"task_args": [{"digits": 2}, {"digits": 3}]}, "task_args as a mix"),
+        (
+            {"curriculum": [{"share": 0.5, "until": {"accuracy": 1.5, "pairs": 8}}, {}]},
+            r"data.curriculum\[0\].until=\{'accuracy': 1.5, 'pairs': 8\}; expected \{accuracy: a, pairs: n\}",
+        ),
+        ({"curriculum": [{"share": 0.5, "until": {"accuracy": 0.9}}, {}]}, r"data.curriculum\[0\].until=.*expected"),
+        (
+            {"curriculum": [{"share": 0.5}, {"until": {"accuracy": 0.9, "pairs": 8}}]},
+            r"data.curriculum\[1\].until=.*on a stage that has one after it",
+        ),
+    ],
+)
 def test_a_malformed_curriculum_is_refused_naming_the_stage(tmp_path, kwargs, message):
     if kwargs.get("source") == "pairs.jsonl":
         kwargs["source"] = str(tmp_path / "pairs.jsonl")
@@ -146,11 +167,14 @@ def test_suffix_stages_trains_the_suffix_loss_in_those_stages_only(tiny_model_di
     from lit_grpo.model.policy import LoraSpec, PolicySpec
 
     L.seed_everything(0)
-    module = RewardModelModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8)),
-                               optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), progress=False,
-                               suffix_weight=1.0, suffix_stages=[1])
-    pairs = data(train_size=16, batch_size=4,
-                 curriculum=[{"share": 0.5, "until": {"accuracy": 1.0, "pairs": 4}}, {}])
+    module = RewardModelModule(
+        policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8)),
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+        progress=False,
+        suffix_weight=1.0,
+        suffix_stages=[1],
+    )
+    pairs = data(train_size=16, batch_size=4, curriculum=[{"share": 0.5, "until": {"accuracy": 1.0, "pairs": 4}}, {}])
     weights = []
     original = module.suffix_weight
 
@@ -160,15 +184,33 @@ def test_suffix_stages_trains_the_suffix_loss_in_those_stages_only(tiny_model_di
         return original()
 
     module.suffix_weight = recorded
-    L.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-              enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0).fit(module, pairs)
+    L.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    ).fit(module, pairs)
     assert [stage for stage, _ in weights] == pairs.curriculum.batch_stages and len(weights) == 4
     assert all(weight == (1.0 if stage == 1 else 0.0) for stage, weight in weights)
     assert 1 in pairs.curriculum.batch_stages and 0 in pairs.curriculum.batch_stages
     with pytest.raises(ValueError, match=r"model.suffix_stages=\[2\] names curriculum stages, and the data have 2"):
-        bad = RewardModelModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8)),
-                                suffix_weight=1.0, suffix_stages=[2], progress=False)
-        L.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
-                  enable_progress_bar=False, enable_model_summary=False).fit(bad, data(curriculum=STAGES[1:]))
+        bad = RewardModelModule(
+            policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8)),
+            suffix_weight=1.0,
+            suffix_stages=[2],
+            progress=False,
+        )
+        L.Trainer(
+            max_epochs=1,
+            accelerator="cpu",
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        ).fit(bad, data(curriculum=STAGES[1:]))
     with pytest.raises(ValueError, match=r"model.suffix_stages=\[-1\]; expected a list"):
         RewardModelModule(suffix_stages=[-1])

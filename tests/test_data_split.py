@@ -28,17 +28,36 @@ def test_a_held_out_split_gives_its_first_rows():
 
 
 def test_too_few_rows_to_hold_out_and_train_is_named():
-    with pytest.raises(ValueError, match=r"data.source='f.jsonl' has 3 rows, not enough to hold out "
-                                         r"data.val_size=3 for validation and still train."):
+    with pytest.raises(
+        ValueError,
+        match=r"data.source='f.jsonl' has 3 rows, not enough to hold out "
+        r"data.val_size=3 for validation and still train.",
+    ):
         split_rows(lambda split, size: numbered(split, 3), "f.jsonl", "train", None, 10, 3)
 
 
 def test_every_data_module_holds_out_the_same_rows_of_a_file(tmp_path):
     path = tmp_path / "rows.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1), "completion": f"{i + 1}",
-                                        "chosen": f"{i + 1}", "rejected": f"{i + 2}"}) + "\n" for i in range(10)))
-    modules = [SFTDataModule(source=str(path), val_size=3), PreferenceDataModule(source=str(path), val_size=3),
-               OnPolicyDataModule(source=str(path), val_size=3)]
+    path.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "prompt": f"What is {i} + 1?",
+                    "answer": str(i + 1),
+                    "completion": f"{i + 1}",
+                    "chosen": f"{i + 1}",
+                    "rejected": f"{i + 2}",
+                }
+            )
+            + "\n"
+            for i in range(10)
+        )
+    )
+    modules = [
+        SFTDataModule(source=str(path), val_size=3),
+        PreferenceDataModule(source=str(path), val_size=3),
+        OnPolicyDataModule(source=str(path), val_size=3),
+    ]
     for module in modules:
         module.setup()
         assert [r["answer"] for r in module.val_rows] == ["1", "2", "3"]

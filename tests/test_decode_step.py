@@ -7,15 +7,31 @@ import copy
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
-from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from lit_grpo.generation.decode_step import LlamaStep, Matmul, ModelStep, can_pack, llama_step_applies
-from lit_grpo.model.kv_cache import with_cache
 from lit_grpo.generation.merged import LowRankLinear, MergedPolicy, low_rank_layers
+from lit_grpo.model.kv_cache import with_cache
 
-SIZES = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=128)
+SIZES = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 
 
 def build(config_class, model_class, **extra):
@@ -27,8 +43,7 @@ def prefill(model, ids, mask):
     cache = DynamicCache()
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                       **with_cache(cache)).logits[:, -1]
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, **with_cache(cache)).logits[:, -1]
     return cache, positions[:, -1] + 1, logits
 
 
@@ -40,12 +55,16 @@ def left_padded(rows=3, width=6):
     return ids, mask
 
 
-@pytest.mark.parametrize("family", [
-    (LlamaConfig, LlamaForCausalLM, {}),
-    (LlamaConfig, LlamaForCausalLM, {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
-    (Qwen2Config, Qwen2ForCausalLM, {}),  # biased q/k/v projections
-    (MistralConfig, MistralForCausalLM, {"sliding_window": 64}),  # a window wider than the sequence
-], ids=["llama", "llama-rope-scaling", "qwen2", "mistral"])
+@pytest.mark.parametrize(
+    "family",
+    [
+        (LlamaConfig, LlamaForCausalLM, {}),
+        (LlamaConfig, LlamaForCausalLM, {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+        (Qwen2Config, Qwen2ForCausalLM, {}),  # biased q/k/v projections
+        (MistralConfig, MistralForCausalLM, {"sliding_window": 64}),  # a window wider than the sequence
+    ],
+    ids=["llama", "llama-rope-scaling", "qwen2", "mistral"],
+)
 def test_llama_step_gives_the_models_logits_at_every_step(family):
     model = build(*family[:2], **family[2])
     ids, mask = left_padded()
@@ -84,8 +103,9 @@ def test_the_merged_skeleton_takes_the_llama_step():
 
 def bf16_lora(update: float):
     """A bf16 Llama with an fp32 LoRA adapter whose update is ``update``-sized (a bf16 policy)."""
-    policy = get_peft_model(build(LlamaConfig, LlamaForCausalLM).to(torch.bfloat16),
-                            LoraConfig(r=2, target_modules="all-linear"))
+    policy = get_peft_model(
+        build(LlamaConfig, LlamaForCausalLM).to(torch.bfloat16), LoraConfig(r=2, target_modules="all-linear")
+    )
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in policy.named_parameters():

@@ -27,18 +27,37 @@ TESTS = Path(__file__).parent
 
 def fit(root: Path, threads: int, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
     command = [
-        sys.executable, "-m", "lit_grpo.cli", "fit", "--config", str(ROOT / "configs" / "quickstart.yaml"),
-        "--trainer.max_epochs=2", "--trainer.check_val_every_n_epoch=100", "--trainer.logger=false",
-        f"--trainer.default_root_dir={root}", "--trainer.callbacks=[]",
+        sys.executable,
+        "-m",
+        "lit_grpo.cli",
+        "fit",
+        "--config",
+        str(ROOT / "configs" / "quickstart.yaml"),
+        "--trainer.max_epochs=2",
+        "--trainer.check_val_every_n_epoch=100",
+        "--trainer.logger=false",
+        f"--trainer.default_root_dir={root}",
+        "--trainer.callbacks=[]",
         "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-        f"--trainer.callbacks.dirpath={root / 'checkpoints'}", "--trainer.callbacks.every_n_train_steps=1",
-        "--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.save_last=true",
-        "--model.validate_before_training=false", "--data.val_slices={}", "--data.val_size=4",
-        "--data.prompts_per_epoch=2", "--data.batch_size=8", "--data.sampling.max_new_tokens=10",
-        f"--export_adapter={root / 'adapter'}", *extra,
+        f"--trainer.callbacks.dirpath={root / 'checkpoints'}",
+        "--trainer.callbacks.every_n_train_steps=1",
+        "--trainer.callbacks.save_top_k=-1",
+        "--trainer.callbacks.save_last=true",
+        "--model.validate_before_training=false",
+        "--data.val_slices={}",
+        "--data.val_size=4",
+        "--data.prompts_per_epoch=2",
+        "--data.batch_size=8",
+        "--data.sampling.max_new_tokens=10",
+        f"--export_adapter={root / 'adapter'}",
+        *extra,
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    }
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     if check:
         assert result.returncode == 0, result.stderr[-4000:]
@@ -53,8 +72,9 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     assert any(t.abs().max() > 0 for name, t in a.items() if "lora_B" in name)  # it trained
     different = [name for name in a if not torch.equal(a[name], b[name])]
-    assert not different, f"{len(different)} tensors differ, max |d| " \
-                          f"{max((a[n] - b[n]).abs().max().item() for n in different):.2e}"
+    assert not different, (
+        f"{len(different)} tensors differ, max |d| {max((a[n] - b[n]).abs().max().item() for n in different):.2e}"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -81,18 +101,25 @@ def test_one_thread_and_two_threads_train_the_same_adapter(tmp_path):
 
 # (phase, epoch, index), see tests/chaos.py: 2 optimizer steps per epoch, a checkpoint after each.
 KILLS = [
-    ("rollout", 0, 5),    # inside epoch 0's sampling, before any checkpoint: starts over
-    ("backward", 0, 1),   # the second step of epoch 0: resumes from step 1, inside the epoch
-    ("rollout", 1, 5),    # epoch 1's rollout: resumes from the end of epoch 0
-    ("backward", 1, 1),   # inside epoch 1: resumes from step 3
+    ("rollout", 0, 5),  # inside epoch 0's sampling, before any checkpoint: starts over
+    ("backward", 0, 1),  # the second step of epoch 0: resumes from step 1, inside the epoch
+    ("rollout", 1, 5),  # epoch 1's rollout: resumes from the end of epoch 0
+    ("backward", 1, 1),  # inside epoch 1: resumes from step 3
 ]
 
 
 def test_kills_inside_epochs_resume_to_the_straight_runs_adapter(straight, tmp_path):
     for phase, epoch, index in KILLS:
-        result = fit(tmp_path, 2, "--ckpt_path=last", "--trainer.callbacks+=chaos.Chaos",
-                     f"--trainer.callbacks.phase={phase}", f"--trainer.callbacks.epoch={epoch}",
-                     f"--trainer.callbacks.index={index}", check=False)
+        result = fit(
+            tmp_path,
+            2,
+            "--ckpt_path=last",
+            "--trainer.callbacks+=chaos.Chaos",
+            f"--trainer.callbacks.phase={phase}",
+            f"--trainer.callbacks.epoch={epoch}",
+            f"--trainer.callbacks.index={index}",
+            check=False,
+        )
         assert result.returncode == -9, f"{phase} {epoch} {index} did not strike:\n{result.stderr[-3000:]}"
     fit(tmp_path, 2, "--ckpt_path=last")
     assert_bitwise_equal(straight, adapter(tmp_path))

@@ -22,7 +22,10 @@ WORKER = Path(__file__).with_name("distributed_worker.py")
 def launch(strategy: str, model_dir: str, out: Path) -> None:
     result = subprocess.run(
         [sys.executable, str(WORKER), "--strategy", strategy, "--model", model_dir, "--out", str(out)],
-        capture_output=True, text=True, timeout=600, cwd=WORKER.parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=WORKER.parent.parent,
     )
     assert result.returncode == 0, result.stderr[-4000:]
 

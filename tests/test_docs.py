@@ -79,9 +79,11 @@ def is_synopsis(words: list[str]) -> bool:
 
 
 def test_the_rules_find_commands_as_written():
-    block = ("```bash\npip install -e . \\\n  && lit-grpo fit --config a.yaml   # note\n"
-             "LIT_GRPO_DEBUG=1 lit-grpo eval --pass_k \"[1,4]\"; echo done\n"
-             "lit-grpo plot RUN_DIR\n```\n```yaml\nlit-grpo: not a command\n```\n")
+    block = (
+        "```bash\npip install -e . \\\n  && lit-grpo fit --config a.yaml   # note\n"
+        'LIT_GRPO_DEBUG=1 lit-grpo eval --pass_k "[1,4]"; echo done\n'
+        "lit-grpo plot RUN_DIR\n```\n```yaml\nlit-grpo: not a command\n```\n"
+    )
     found = commands(block)
     assert found == [["fit", "--config", "a.yaml"], ["eval", "--pass_k", "[1,4]"], ["plot", "RUN_DIR"]]
     assert [is_synopsis(words) for words in found] == [False, False, True]
@@ -104,8 +106,11 @@ def test_links_resolve(page):
     assert not missing, f"{page.name} links to files that do not exist: {missing}"
 
 
-@pytest.mark.parametrize(("page", "words"), documented_commands(),
-                         ids=[f"{page}:{' '.join(words)[:70]}" for page, words in documented_commands()])
+@pytest.mark.parametrize(
+    ("page", "words"),
+    documented_commands(),
+    ids=[f"{page}:{' '.join(words)[:70]}" for page, words in documented_commands()],
+)
 def test_command_parses(page, words, tmp_path, monkeypatch, capsys):
     if is_synopsis(words):
         pytest.skip("a usage synopsis (rule 3)")
@@ -131,9 +136,11 @@ def test_command_parses(page, words, tmp_path, monkeypatch, capsys):
 
 def test_print_config_loads_no_model():
     # In a fresh interpreter, so what other tests imported does not count.
-    code = ("import sys\nfrom lit_grpo.cli import main\ntry:\n"
-            "    main(['fit', '--config', 'configs/quickstart.yaml', '--print_config'])\nexcept SystemExit:\n    pass\n"
-            "print([m for m in sys.modules if m == 'peft' or m.startswith('transformers.models.llama.modeling')])")
+    code = (
+        "import sys\nfrom lit_grpo.cli import main\ntry:\n"
+        "    main(['fit', '--config', 'configs/quickstart.yaml', '--print_config'])\nexcept SystemExit:\n    pass\n"
+        "print([m for m in sys.modules if m == 'peft' or m.startswith('transformers.models.llama.modeling')])"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "name_or_path: embedded" in done.stdout, done.stderr[-2000:]  # it printed
     assert done.stdout.strip().splitlines()[-1] == "[]"  # loading the model imports both

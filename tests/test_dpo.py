@@ -14,8 +14,8 @@ import yaml
 from lit_grpo.algorithms.dpo import DPOModule
 from lit_grpo.data.preferences import PreferenceDataModule, encode_completions
 from lit_grpo.data.tasks import SLIPS, arithmetic, arithmetic_preferences, slip_kind
-from lit_grpo.objectives import dpo_loss, sequence_logps
 from lit_grpo.model.policy import LoraSpec, PolicySpec
+from lit_grpo.objectives import dpo_loss, sequence_logps
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LN3 = math.log(3.0)
@@ -47,8 +47,7 @@ def test_dpo_loss_is_relative_to_the_reference():
 
 def test_label_smoothing_hand_computed():
     # margin ln3: (1 - 0.25) * -log(3/4) + 0.25 * -log(1/4) = 0.75 ln(4/3) + 0.25 ln4
-    out = dpo_loss(torch.tensor([LN3]), torch.zeros(1), torch.zeros(1), torch.zeros(1), beta=1.0,
-                   label_smoothing=0.25)
+    out = dpo_loss(torch.tensor([LN3]), torch.zeros(1), torch.zeros(1), torch.zeros(1), beta=1.0, label_smoothing=0.25)
     torch.testing.assert_close(out.loss, torch.tensor(0.75 * math.log(4 / 3) + 0.25 * math.log(4.0)))
 
 
@@ -70,10 +69,13 @@ def test_large_margins_stay_finite():
     assert torch.isfinite(out.loss) and out.loss < 1e-6
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"beta": 0.0}, "beta must be > 0"),
-    ({"label_smoothing": 0.5}, "label_smoothing"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"beta": 0.0}, "beta must be > 0"),
+        ({"label_smoothing": 0.5}, "label_smoothing"),
+    ],
+)
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         dpo_loss(torch.zeros(2), torch.zeros(2), torch.zeros(2), torch.zeros(2), **kwargs)
@@ -141,10 +143,17 @@ def test_missing_column_is_named(tmp_path):
 
 
 def test_column_map_and_message_lists(tmp_path):
-    rows = [{"q": f"q{i}", "good": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "yes"}],
-             "rejected": "no"} for i in range(5)]
-    data = PreferenceDataModule(source=write_jsonl(tmp_path / "p.jsonl", rows), val_size=2,
-                                columns={"prompt": "q", "chosen": "good"})
+    rows = [
+        {
+            "q": f"q{i}",
+            "good": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "yes"}],
+            "rejected": "no",
+        }
+        for i in range(5)
+    ]
+    data = PreferenceDataModule(
+        source=write_jsonl(tmp_path / "p.jsonl", rows), val_size=2, columns={"prompt": "q", "chosen": "good"}
+    )
     data.setup("fit")
     assert len(data.train_rows) == 3 and data.val_rows[0]["prompt"] == "q0"
 
@@ -156,7 +165,7 @@ def test_encode_completions_appends_eos_and_truncates(tiny_model_dir):
     ids, mask = encode_completions(tokenizer, ["12 + 3 = 15", "1"], max_length=None)
     lengths = mask.sum(-1)
     assert ids[0, lengths[0] - 1] == ids[1, lengths[1] - 1] == tokenizer.eos_token_id
-    assert (ids[1, lengths[1]:] == tokenizer.pad_token_id).all()
+    assert (ids[1, lengths[1] :] == tokenizer.pad_token_id).all()
     with pytest.raises(ValueError, match="max_completion_length=2"):
         encode_completions(tokenizer, ["12 + 3 = 15"], max_length=2)
     with pytest.warns(UserWarning, match="truncated"):
@@ -172,12 +181,23 @@ def test_tiny_model_learns_the_preferences(tiny_model_dir):
     # Full fine-tuning: a LoRA adapter on a 32-wide random model learns too slowly
     # for a unit test, and this covers the frozen-copy reference.
     torch.manual_seed(0)
-    module = DPOModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=None), beta=0.5,
-                       optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), progress=False)
+    module = DPOModule(
+        policy=PolicySpec(name_or_path=tiny_model_dir, lora=None),
+        beta=0.5,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+        progress=False,
+    )
     data = PreferenceDataModule(train_size=8, val_split="train", val_size=8, batch_size=4, val_batch_size=8)
-    trainer = L.Trainer(max_epochs=12, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        check_val_every_n_epoch=100)
+    trainer = L.Trainer(
+        max_epochs=12,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        check_val_every_n_epoch=100,
+    )
     (before,) = trainer.validate(module, data, verbose=False)
     assert before["val/rewards/accuracy"] == 0 and abs(before["val/loss"] - math.log(2)) < 1e-5
     reference = {k: v.clone() for k, v in module.reference.state_dict().items()}
@@ -195,10 +215,12 @@ def test_lora_reference_is_the_base_model(tiny_model_dir):
     module = DPOModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8)))
     module.configure_model()
     generator = torch.Generator().manual_seed(0)
-    batch = {"prompt_ids": torch.randint(0, 500, (4, 5), generator=generator),
-             "prompt_mask": torch.ones(4, 5, dtype=torch.long),
-             "completion_ids": torch.randint(0, 500, (4, 3), generator=generator),
-             "completion_mask": torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]])}
+    batch = {
+        "prompt_ids": torch.randint(0, 500, (4, 5), generator=generator),
+        "prompt_mask": torch.ones(4, 5, dtype=torch.long),
+        "completion_ids": torch.randint(0, 500, (4, 3), generator=generator),
+        "completion_mask": torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]]),
+    }
     with torch.no_grad():
         base = module.sequence_logps(module.policy, batch)  # [4]
         for name, param in module.policy.named_parameters():
@@ -218,7 +240,10 @@ def test_quickstart_config_parses():
     config = REPO_ROOT / "configs" / "dpo_quickstart.yaml"
     done = subprocess.run(
         [sys.executable, "-m", "lit_grpo.cli", "dpo", "fit", "--config", str(config), "--print_config"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     printed = yaml.safe_load(done.stdout)

@@ -8,7 +8,12 @@ import time
 import pytest
 
 from lit_grpo.environments import (
-    HermesFormat, TemplateFormat, ToolCall, Toolbox, call_format, run_concurrently,
+    HermesFormat,
+    TemplateFormat,
+    Toolbox,
+    ToolCall,
+    call_format,
+    run_concurrently,
 )
 
 
@@ -52,8 +57,16 @@ def returns(kind: str):
     Args:
         kind: Which value.
     """
-    return {"int": 3, "float": 0.5, "bool": True, "dict": {"a": [1, "b"]}, "none": None,
-            "object": object(), "bytes": b"x", "unserialisable": {"a": object()}}[kind]
+    return {
+        "int": 3,
+        "float": 0.5,
+        "bool": True,
+        "dict": {"a": [1, "b"]},
+        "none": None,
+        "object": object(),
+        "bytes": b"x",
+        "unserialisable": {"a": object()},
+    }[kind]
 
 
 def fails(message: str) -> str:
@@ -91,8 +104,10 @@ def test_schema_of_a_typed_tool_is_transformers_json_schema():
             "description": "Adds two integers.",
             "parameters": {
                 "type": "object",
-                "properties": {"a": {"type": "integer", "description": "The first addend."},
-                               "b": {"type": "integer", "description": "The second addend."}},
+                "properties": {
+                    "a": {"type": "integer", "description": "The first addend."},
+                    "b": {"type": "integer", "description": "The second addend."},
+                },
                 "required": ["a", "b"],
             },
             "return": {"type": "integer"},
@@ -100,14 +115,17 @@ def test_schema_of_a_typed_tool_is_transformers_json_schema():
     }
 
 
-@pytest.mark.parametrize("path, expected", [
-    ("no_such_package_xyz.tool", "cannot import module 'no_such_package_xyz'"),
-    (f"{__name__}.missing", "has no attribute 'missing'"),
-    (f"{__name__}.threading", "not a callable"),
-    (f"{__name__}.no_hints", "type hint"),
-    (f"{__name__}.no_docstring", "docstring"),
-    ("calculator", "not a dotted path"),
-])
+@pytest.mark.parametrize(
+    "path, expected",
+    [
+        ("no_such_package_xyz.tool", "cannot import module 'no_such_package_xyz'"),
+        (f"{__name__}.missing", "has no attribute 'missing'"),
+        (f"{__name__}.threading", "not a callable"),
+        (f"{__name__}.no_hints", "type hint"),
+        (f"{__name__}.no_docstring", "docstring"),
+        ("calculator", "not a dotted path"),
+    ],
+)
 def test_from_config_errors_name_the_field_and_the_path(path, expected):
     with pytest.raises(ValueError) as error:
         Toolbox.from_config([f"{__name__}.add", path])
@@ -125,14 +143,16 @@ def test_from_config_imports_in_order_and_refuses_a_name_twice():
 
 def test_calls_run_in_order_and_failures_become_error_observations():
     toolbox = Toolbox([add, fails])
-    ok, unknown, mistyped, missing, extra, raised = toolbox.run([
-        ToolCall("add", {"a": 2, "b": 3}),
-        ToolCall("multiply", {"a": 2}),
-        ToolCall("add", {"a": "2", "b": 3}),
-        ToolCall("add", {"a": 2}),
-        ToolCall("add", {"a": 2, "b": 3, "c": 4}),
-        ToolCall("fails", {"message": "boom"}),
-    ])
+    ok, unknown, mistyped, missing, extra, raised = toolbox.run(
+        [
+            ToolCall("add", {"a": 2, "b": 3}),
+            ToolCall("multiply", {"a": 2}),
+            ToolCall("add", {"a": "2", "b": 3}),
+            ToolCall("add", {"a": 2}),
+            ToolCall("add", {"a": 2, "b": 3, "c": 4}),
+            ToolCall("fails", {"message": "boom"}),
+        ]
+    )
     assert (ok.content, ok.error) == ("5", False)
     assert unknown.error and unknown.content == "Error: unknown tool 'multiply'; the available tools are add, fails."
     assert mistyped.error and "argument 'a' must be integer, got \"2\"" in mistyped.content
@@ -143,14 +163,19 @@ def test_calls_run_in_order_and_failures_become_error_observations():
     assert not any(r.timed_out for r in (ok, unknown, mistyped, missing, extra, raised))
 
 
-@pytest.mark.parametrize("kind, content, error", [
-    ("int", "3", False), ("float", "0.5", False), ("bool", "true", False),
-    ("dict", '{"a": [1, "b"]}', False),
-    ("none", "Error: returns returned NoneType, not text.", True),
-    ("object", "Error: returns returned object, not text.", True),
-    ("bytes", "Error: returns returned bytes, not text.", True),
-    ("unserialisable", "Error: returns returned dict, not text.", True),
-])
+@pytest.mark.parametrize(
+    "kind, content, error",
+    [
+        ("int", "3", False),
+        ("float", "0.5", False),
+        ("bool", "true", False),
+        ("dict", '{"a": [1, "b"]}', False),
+        ("none", "Error: returns returned NoneType, not text.", True),
+        ("object", "Error: returns returned object, not text.", True),
+        ("bytes", "Error: returns returned bytes, not text.", True),
+        ("unserialisable", "Error: returns returned dict, not text.", True),
+    ],
+)
 def test_returns_that_are_not_text(kind, content, error):
     (result,) = Toolbox([returns]).run([ToolCall("returns", {"kind": kind})])
     assert (result.content, result.error) == (content, error)
@@ -173,11 +198,13 @@ def test_a_hanging_tool_times_out_and_the_caller_goes_on():
 def test_episodes_run_concurrently():
     toolbox = Toolbox([nap])
     start = time.monotonic()
-    results = run_concurrently([
-        (toolbox, [ToolCall("nap", {"seconds": 1.0})]),
-        (toolbox, []),
-        (toolbox, [ToolCall("nap", {"seconds": 1.0})]),
-    ])
+    results = run_concurrently(
+        [
+            (toolbox, [ToolCall("nap", {"seconds": 1.0})]),
+            (toolbox, []),
+            (toolbox, [ToolCall("nap", {"seconds": 1.0})]),
+        ]
+    )
     elapsed = time.monotonic() - start
     assert [[r.content for r in episode] for episode in results] == [["slept 1.0"], [], ["slept 1.0"]]
     assert elapsed < 1.8  # two 1-s calls of different episodes overlap; in series they would take 2 s
@@ -188,8 +215,12 @@ def test_a_hung_episode_does_not_hold_up_the_others():
     release = threading.Event()
     hang = _hanging_tool(release)
     start = time.monotonic()
-    hung, quick = run_concurrently([(Toolbox([hang], timeout=0.5), [ToolCall("hang", {"seconds": 30})]),
-                                    (Toolbox([nap]), [ToolCall("nap", {"seconds": 0.2})])])
+    hung, quick = run_concurrently(
+        [
+            (Toolbox([hang], timeout=0.5), [ToolCall("hang", {"seconds": 30})]),
+            (Toolbox([nap]), [ToolCall("nap", {"seconds": 0.2})]),
+        ]
+    )
     elapsed = time.monotonic() - start
     release.set()
     assert hung[0].timed_out and quick[0].content == "slept 0.2"
@@ -206,20 +237,25 @@ def test_hermes_parses_one_and_two_calls_and_none():
     hermes = HermesFormat()
     one = 'I will add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
     assert hermes.parse(one) == [ToolCall("add", {"a": 1, "b": 2})]
-    two = ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
-           '<tool_call>{"name": "nap", "arguments": "{\\"seconds\\": 0}"}</tool_call>')
+    two = (
+        '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+        '<tool_call>{"name": "nap", "arguments": "{\\"seconds\\": 0}"}</tool_call>'
+    )
     assert hermes.parse(two) == [ToolCall("add", {"a": 1, "b": 2}), ToolCall("nap", {"seconds": 0})]
     assert hermes.parse("The answer is 3.") == []
     assert hermes.stop == "</tool_call>"
 
 
-@pytest.mark.parametrize("text, expected", [
-    ('<tool_call>{"name": "add", "arguments": {"a": 1,}}</tool_call>', "not valid JSON"),
-    ('<tool_call>{"arguments": {"a": 1}}</tool_call>', 'has no "name"'),
-    ('<tool_call>["add"]</tool_call>', 'has no "name"'),
-    ('<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>', 'must be a JSON object'),
-    ('<tool_call>{"name": "add", "arguments": {"a": 1', "not valid JSON"),  # never closed
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ('<tool_call>{"name": "add", "arguments": {"a": 1,}}</tool_call>', "not valid JSON"),
+        ('<tool_call>{"arguments": {"a": 1}}</tool_call>', 'has no "name"'),
+        ('<tool_call>["add"]</tool_call>', 'has no "name"'),
+        ('<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>', "must be a JSON object"),
+        ('<tool_call>{"name": "add", "arguments": {"a": 1', "not valid JSON"),  # never closed
+    ],
+)
 def test_hermes_malformed_calls_are_error_observations(text, expected):
     observation = HermesFormat().parse(text)
     assert isinstance(observation, str) and observation.startswith("Error: ")
@@ -300,21 +336,25 @@ def test_smollm2_gets_hermes_and_its_episode_text_is_the_template_rendering(smol
     episode, whole = _episode_and_whole(smollm_tokenizer, fmt, call_text, results, tool_messages, toolbox.schemas)
     assert episode == whole
     assert fmt.results_text(smollm_tokenizer, results[:1]) == (
-        "<|im_end|>\n<|im_start|>tool\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+        "<|im_end|>\n<|im_start|>tool\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
     system = fmt.system_prompt(smollm_tokenizer, [{"role": "system", "content": "Be brief."}], toolbox.schemas)
     assert '"name": "add"' in system[0]["content"] and system[0]["content"].endswith("\n\nBe brief.")
 
 
 def test_a_template_without_a_tool_role_gets_results_as_a_user_message(embedded_dir):
-    strict = ("{% for m in messages %}{% if m.role not in ['user', 'assistant', 'system'] %}"
-              "{{ raise_exception('Conversation roles must be user/assistant/system') }}{% endif %}"
-              "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    strict = (
+        "{% for m in messages %}{% if m.role not in ['user', 'assistant', 'system'] %}"
+        "{{ raise_exception('Conversation roles must be user/assistant/system') }}{% endif %}"
+        "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     tokenizer = _with_template(embedded_dir, strict)
     fmt = call_format(tokenizer)
     results = Toolbox([add]).run([ToolCall("add", {"a": 2, "b": 3})])
     assert fmt.results_text(tokenizer, results) == (
-        "<|im_end|>\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_a_qwen_style_template_is_used_natively(embedded_dir):
@@ -322,11 +362,21 @@ def test_a_qwen_style_template_is_used_natively(embedded_dir):
     fmt = call_format(tokenizer)
     assert isinstance(fmt, TemplateFormat)
     assert (fmt.opener, fmt.closer, fmt.arguments_key, fmt.stop) == (
-        "<tool_call>", "</tool_call>", "arguments", "</tool_call>")
+        "<tool_call>",
+        "</tool_call>",
+        "arguments",
+        "</tool_call>",
+    )
     toolbox = Toolbox([add])
     # What the model writes is what the template renders for a structured call.
-    structured = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]}]
+    structured = [
+        {"role": "user", "content": "q"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}],
+        },
+    ]
     rendered = tokenizer.apply_chat_template(structured, tokenize=False)
     call_text = rendered.split("<|im_start|>assistant\n", 1)[1].removesuffix("<|im_end|>\n")
     calls = fmt.parse(call_text)
@@ -337,7 +387,8 @@ def test_a_qwen_style_template_is_used_natively(embedded_dir):
     assert episode == whole
     assert fmt.results_text(tokenizer, results) == (
         "<|im_end|>\n<|im_start|>user\n<tool_response>\n5\n</tool_response>\n<tool_response>\n5\n"
-        "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+        "</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
     assert fmt.system_prompt(tokenizer, structured[:1], toolbox.schemas) == structured[:1]  # the template lists them
 
 
@@ -352,8 +403,16 @@ def test_a_llama_style_template_is_used_natively(embedded_dir):
     assert calls == [ToolCall("add", {"a": 2, "b": 3})]
     results = toolbox.run(calls)
     assert fmt.results_text(tokenizer, results) == (
-        "<|start_header_id|>ipython<|end_header_id|>\n\n5<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+        "<|start_header_id|>ipython<|end_header_id|>\n\n5<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
     # The model sampled the turn's <|eot_id|> (its stop); the results do not repeat it.
-    episode, whole = _episode_and_whole(tokenizer, fmt, call_text, results, [{"role": "tool", "content": "5"}],
-                                        toolbox.schemas, content=call_text.removesuffix(fmt.stop))
+    episode, whole = _episode_and_whole(
+        tokenizer,
+        fmt,
+        call_text,
+        results,
+        [{"role": "tool", "content": "5"}],
+        toolbox.schemas,
+        content=call_text.removesuffix(fmt.stop),
+    )
     assert episode == whole

@@ -6,50 +6,55 @@ import time
 
 import pytest
 
-from lit_grpo.environments import ToolCall, Toolbox
-from lit_grpo.environments import builtin
+from lit_grpo.environments import Toolbox, ToolCall, builtin
 from lit_grpo.environments.builtin import GuessNumber, calculator, guess_number
 from lit_grpo.environments.factory import EnvironmentFactory
 
 
 # --------------------------------------------------------------------------- calculator
-@pytest.mark.parametrize("expression, value", [
-    ("1234 + 5678", "6912"),
-    ("(1234 + 5678) * 2", "13824"),
-    ("7 / 2", "3.5"),
-    ("6 / 2", "3"),  # an integral float prints as an integer
-    ("-7 // 2", "-4"),
-    ("7 % 3", "1"),
-    ("2 ** 10", "1024"),
-    ("2 ** -2", "0.25"),
-    ("-(3 - 5)", "2"),
-    ("+4", "4"),
-    ("0.1 + 0.2", "0.3"),  # 12 significant digits
-    ("1.5e3 * 2", "3000"),
-    ("2 ** 4000 // 2 ** 3999", "2"),  # big, in bounds
-])
+@pytest.mark.parametrize(
+    "expression, value",
+    [
+        ("1234 + 5678", "6912"),
+        ("(1234 + 5678) * 2", "13824"),
+        ("7 / 2", "3.5"),
+        ("6 / 2", "3"),  # an integral float prints as an integer
+        ("-7 // 2", "-4"),
+        ("7 % 3", "1"),
+        ("2 ** 10", "1024"),
+        ("2 ** -2", "0.25"),
+        ("-(3 - 5)", "2"),
+        ("+4", "4"),
+        ("0.1 + 0.2", "0.3"),  # 12 significant digits
+        ("1.5e3 * 2", "3000"),
+        ("2 ** 4000 // 2 ** 3999", "2"),  # big, in bounds
+    ],
+)
 def test_calculator_arithmetic(expression, value):
     assert calculator(expression) == value
 
 
-@pytest.mark.parametrize("expression, message", [
-    ("__import__('os').system('ls')", "found Call"),
-    ("__import__('os')", "found Call"),
-    ("x + 1", "found the name 'x'"),
-    ("(1).real", "found Attribute"),
-    ("'a' * 3", "found the constant 'a'"),
-    ("True + 1", "found the constant True"),
-    ("[1, 2]", "found List"),
-    ("1 << 4", "found BinOp"),
-    ("9 ** 9 ** 9", "9 ** 387420489 has more than 4096 bits"),
-    ("10 ** 5000", "10 ** 5000 has more than 4096 bits"),
-    ("3 ** 3000", "the result has more than 4096 bits"),
-    ("2.0 ** 10000", "too large"),
-    ("1e308 * 10", "too large"),
-    ("(-8) ** 0.5", "not a real number"),
-    ("1 +", "is not an arithmetic expression"),
-    ("1" * 1001, "at most 1000"),
-])
+@pytest.mark.parametrize(
+    "expression, message",
+    [
+        ("__import__('os').system('ls')", "found Call"),
+        ("__import__('os')", "found Call"),
+        ("x + 1", "found the name 'x'"),
+        ("(1).real", "found Attribute"),
+        ("'a' * 3", "found the constant 'a'"),
+        ("True + 1", "found the constant True"),
+        ("[1, 2]", "found List"),
+        ("1 << 4", "found BinOp"),
+        ("9 ** 9 ** 9", "9 ** 387420489 has more than 4096 bits"),
+        ("10 ** 5000", "10 ** 5000 has more than 4096 bits"),
+        ("3 ** 3000", "the result has more than 4096 bits"),
+        ("2.0 ** 10000", "too large"),
+        ("1e308 * 10", "too large"),
+        ("(-8) ** 0.5", "not a real number"),
+        ("1 +", "is not an arithmetic expression"),
+        ("1" * 1001, "at most 1000"),
+    ],
+)
 def test_calculator_refuses_what_is_not_bounded_arithmetic(expression, message):
     start = time.monotonic()
     with pytest.raises(ValueError) as error:
@@ -60,8 +65,9 @@ def test_calculator_refuses_what_is_not_bounded_arithmetic(expression, message):
 
 def test_calculator_errors_reach_the_model_as_observations():
     toolbox = Toolbox.from_config(["lit_grpo.environments.builtin.calculator"])
-    refused, zero = toolbox.run([ToolCall("calculator", {"expression": "__import__('os')"}),
-                                 ToolCall("calculator", {"expression": "1 / 0"})])
+    refused, zero = toolbox.run(
+        [ToolCall("calculator", {"expression": "__import__('os')"}), ToolCall("calculator", {"expression": "1 / 0"})]
+    )
     assert refused.error and refused.content.startswith("Error: ValueError: only numbers")
     assert zero.error and zero.content == "Error: ZeroDivisionError: division by zero"
 
@@ -100,8 +106,9 @@ def _play(guesses: list[int], secret: int = 7, max_guesses: int = 4, **kwargs):
     env, text, toolbox = factory.new({"prompt": "find it", "secret": secret, "low": 1, "high": 10})
     assert toolbox.names == ["guess"]
     plural = "guesses" if max_guesses > 1 else "guess"
-    assert text == (f"You have {max_guesses} {plural}. Call the guess tool with a number; it answers higher, "
-                    "lower or correct.")
+    assert text == (
+        f"You have {max_guesses} {plural}. Call the guess tool with a number; it answers higher, lower or correct."
+    )
     observations = [toolbox.run([ToolCall("guess", {"number": g})])[0].content for g in guesses]
     return env, observations
 
@@ -123,8 +130,13 @@ def test_guess_number_won_at_once_and_after_the_win():
 
 def test_guess_number_lost():
     env, observations = _play([1, 2, 3, 10, 7])
-    assert observations == ["higher (3 guesses left)", "higher (2 guesses left)", "higher (1 guess left)",
-                            "lower (0 guesses left)", "No guesses left: the game is over."]
+    assert observations == [
+        "higher (3 guesses left)",
+        "higher (2 guesses left)",
+        "higher (1 guess left)",
+        "lower (0 guesses left)",
+        "No guesses left: the game is over.",
+    ]
     assert env.done and not env.solved
     assert env.get_reward() == 0.0  # the fifth guess was right but refused
 
@@ -145,8 +157,12 @@ def test_guess_number_consistency_rewards_guesses_the_answers_allow():
 def test_guess_number_show_interval_names_the_numbers_still_possible():
     # 5 -> higher (6..10), 9 -> lower (6..8), 2 ignores the answers (6..8 stays), 7 correct
     env, observations = _play([5, 9, 2, 7], show_interval=True)
-    assert observations == ["higher: from 6 to 10 (3 guesses left)", "lower: from 6 to 8 (2 guesses left)",
-                            "higher: from 6 to 8 (1 guess left)", "correct"]
+    assert observations == [
+        "higher: from 6 to 10 (3 guesses left)",
+        "lower: from 6 to 8 (2 guesses left)",
+        "higher: from 6 to 8 (1 guess left)",
+        "correct",
+    ]
     assert env.get_reward() == pytest.approx(1.0)  # the same reward as without the interval
 
 
@@ -243,15 +259,22 @@ def test_factory_finds_tools_and_builds_fresh_instances():
     assert EnvironmentFactory("lit_grpo.environments.builtin.GuessNumber").has_reward
 
 
-@pytest.mark.parametrize("class_path, init_args, message", [
-    ("no_such_package_xyz.Env", None, "data.episodes.environment.class_path='no_such_package_xyz.Env': cannot import"),
-    ("lit_grpo.environments.builtin.calculator", None, "is a function, not a class"),
-    (f"{__name__}.NoReset", None, "NoReset has no reset(self, **row) method"),
-    (f"{__name__}.NoTools", None, "NoTools has no tool methods"),
-    (f"{__name__}.Undocumented", None, "Undocumented.act has no usable schema"),
-    (f"{__name__}.Picky", {"width": 2}, "Picky(**{'width': 2}) raised TypeError"),
-    (f"{__name__}.DoneMethod", None, "DoneMethod.done is a method; make it a boolean attribute or a @property"),
-])
+@pytest.mark.parametrize(
+    "class_path, init_args, message",
+    [
+        (
+            "no_such_package_xyz.Env",
+            None,
+            "data.episodes.environment.class_path='no_such_package_xyz.Env': cannot import",
+        ),
+        ("lit_grpo.environments.builtin.calculator", None, "is a function, not a class"),
+        (f"{__name__}.NoReset", None, "NoReset has no reset(self, **row) method"),
+        (f"{__name__}.NoTools", None, "NoTools has no tool methods"),
+        (f"{__name__}.Undocumented", None, "Undocumented.act has no usable schema"),
+        (f"{__name__}.Picky", {"width": 2}, "Picky(**{'width': 2}) raised TypeError"),
+        (f"{__name__}.DoneMethod", None, "DoneMethod.done is a method; make it a boolean attribute or a @property"),
+    ],
+)
 def test_factory_setup_errors(class_path, init_args, message):
     with pytest.raises(ValueError) as error:
         EnvironmentFactory(class_path, init_args)
@@ -276,16 +299,28 @@ def test_factory_check_names_the_class_the_row_and_the_error():
 GUESS = "lit_grpo.environments.builtin.GuessNumber"
 
 
-@pytest.mark.parametrize("options, init_args", [
-    # jsonargparse files --data.episodes.environment.init_args.max_guesses=3 as environment["max_guesses"]
-    # (the field is a dict); it was silently ignored, the config's 4 kept.
-    (["--data.episodes.environment.init_args.max_guesses=3"], {"max_guesses": 3, "show_interval": True}),
-    # A whole new value or class over the config's crashed inside jsonargparse ('dict' object has
-    # no attribute 'init_args'); it now replaces the config's environment.
-    ([f'--data.episodes.environment={{"class_path": "{GUESS}", "init_args": {{"max_guesses": 3}}}}'], {"max_guesses": 3}),
-    (["--data.episodes.environment", f'{{"class_path": "{GUESS}", "init_args": {{"max_guesses": 3}}}}'], {"max_guesses": 3}),
-    ([f"--data.episodes.environment.class_path={GUESS}", "--data.episodes.environment.init_args.max_guesses=3"], {"max_guesses": 3}),
-])
+@pytest.mark.parametrize(
+    "options, init_args",
+    [
+        # jsonargparse files --data.episodes.environment.init_args.max_guesses=3 as environment["max_guesses"]
+        # (the field is a dict); it was silently ignored, the config's 4 kept.
+        (["--data.episodes.environment.init_args.max_guesses=3"], {"max_guesses": 3, "show_interval": True}),
+        # A whole new value or class over the config's crashed inside jsonargparse ('dict' object has
+        # no attribute 'init_args'); it now replaces the config's environment.
+        (
+            [f'--data.episodes.environment={{"class_path": "{GUESS}", "init_args": {{"max_guesses": 3}}}}'],
+            {"max_guesses": 3},
+        ),
+        (
+            ["--data.episodes.environment", f'{{"class_path": "{GUESS}", "init_args": {{"max_guesses": 3}}}}'],
+            {"max_guesses": 3},
+        ),
+        (
+            [f"--data.episodes.environment.class_path={GUESS}", "--data.episodes.environment.init_args.max_guesses=3"],
+            {"max_guesses": 3},
+        ),
+    ],
+)
 def test_the_environment_set_on_the_command_line_reaches_the_run(capsys, options, init_args):
     from pathlib import Path
 

@@ -14,7 +14,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_grpo.data.buffer import _trim
-from lit_grpo.environments import ToolCall, ToolResult, Toolbox
+from lit_grpo.environments import Toolbox, ToolCall, ToolResult
 from lit_grpo.generation.episodes import EpisodePlan
 from lit_grpo.generation.rollout import SamplingSpec, encode_prompts, generate
 from lit_grpo.model.logprob_passes import completion_logprobs
@@ -75,8 +75,9 @@ def test_an_episode_without_a_call_is_the_single_turn_rollout_token_for_token(ti
     single = generate(model, tokenizer, ids, mask, sampling, greedy=greedy)
     torch.manual_seed(1)
     rows = len(single.texts)
-    episode = generate(model, tokenizer, ids, mask, sampling, greedy=greedy,
-                       episodes=spec(Scripted("\x00never written\x00"), rows))
+    episode = generate(
+        model, tokenizer, ids, mask, sampling, greedy=greedy, episodes=spec(Scripted("\x00never written\x00"), rows)
+    )
     width = single.completion_ids.shape[1]
     assert torch.equal(episode.completion_ids[:, :width], single.completion_ids)
     assert torch.equal(episode.completion_mask[:, :width], single.completion_mask)
@@ -102,8 +103,9 @@ def test_tool_tokens_are_attended_not_sampled_and_the_cache_continues_as_a_re_re
     assert record.tool_calls == 1 and record.turns == 2
     assert [m["role"] for m in record.messages] == ["assistant", "tool", "assistant"]
     assert record.messages[1]["content"] == "echo hi"
-    tool = tokenizer(fmt.results_text(tokenizer, [ToolResult("echo", "echo hi")]),
-                     add_special_tokens=False)["input_ids"]
+    tool = tokenizer(fmt.results_text(tokenizer, [ToolResult("echo", "echo hi")]), add_special_tokens=False)[
+        "input_ids"
+    ]
     model_mask, attention = episode.completion_mask[0], episode.completion_attention[0]
     start = int(torch.nonzero(model_mask == 0)[0])  # the first tool token
     assert torch.equal(episode.completion_ids[0, start : start + len(tool)], torch.tensor(tool))
@@ -111,8 +113,7 @@ def test_tool_tokens_are_attended_not_sampled_and_the_cache_continues_as_a_re_re
     assert attention[: start + len(tool)].all()
     # Re-reading prompt + trajectory continues exactly as the cache did.
     context = torch.cat([ids[:1, mask[0].bool()], episode.completion_ids[:1, : start + len(tool)]], dim=1)
-    reread = generate(model, tokenizer, context, torch.ones_like(context), SamplingSpec(max_new_tokens=4),
-                      greedy=True)
+    reread = generate(model, tokenizer, context, torch.ones_like(context), SamplingSpec(max_new_tokens=4), greedy=True)
     after = episode.completion_ids[0, start + len(tool) : start + len(tool) + 4]
     n = int(attention[start + len(tool) :].sum().clamp(max=4))
     assert n > 0 and torch.equal(after[:n], reread.completion_ids[0, :n])
@@ -123,11 +124,25 @@ def test_max_turns_and_the_trajectory_cap_end_runaway_episodes(tiny):
     ids, mask = prompts(tokenizer)
     first = generate(model, tokenizer, ids, mask, SamplingSpec(max_new_tokens=8), greedy=True)
     fmt = Scripted(tokenizer.decode(first.completion_ids[0, 0:1]), result=" ok ")
-    episode = generate(model, tokenizer, ids, mask, SamplingSpec(max_new_tokens=30), greedy=True,
-                       episodes=spec(fmt, 2, max_turns=2, cap=60))
+    episode = generate(
+        model,
+        tokenizer,
+        ids,
+        mask,
+        SamplingSpec(max_new_tokens=30),
+        greedy=True,
+        episodes=spec(fmt, 2, max_turns=2, cap=60),
+    )
     assert episode.episodes[0].turns <= 2
-    short = generate(model, tokenizer, ids, mask, SamplingSpec(max_new_tokens=30), greedy=True,
-                     episodes=spec(fmt, 2, max_turns=50, cap=12))
+    short = generate(
+        model,
+        tokenizer,
+        ids,
+        mask,
+        SamplingSpec(max_new_tokens=30),
+        greedy=True,
+        episodes=spec(fmt, 2, max_turns=50, cap=12),
+    )
     assert short.completion_attention.sum(-1).max() <= 12
     assert short.episodes[0].budget_cut and bool(short.truncated[0])
 
@@ -156,10 +171,14 @@ def test_an_environment_that_is_done_ends_its_episode_after_that_turn(tiny):
 
     def play(ends: bool):
         games = [Game() for _ in range(2)]
-        episodes = EpisodePlan([Toolbox([game.echo]) for game in games], fmt, max_turns=3, max_episode_tokens=40,
-                               environments=games if ends else [])
-        return generate(model, tokenizer, ids, mask, SamplingSpec(max_new_tokens=16), greedy=True,
-                        episodes=episodes)
+        episodes = EpisodePlan(
+            [Toolbox([game.echo]) for game in games],
+            fmt,
+            max_turns=3,
+            max_episode_tokens=40,
+            environments=games if ends else [],
+        )
+        return generate(model, tokenizer, ids, mask, SamplingSpec(max_new_tokens=16), greedy=True, episodes=episodes)
 
     over, going_on = play(ends=True), play(ends=False)
     record, sampled = over.episodes[0], int(over.completion_mask[0].sum())
@@ -183,8 +202,9 @@ def test_a_turn_prefix_follows_each_tool_result_read_by_the_policy_and_never_tra
     record = episode.episodes[0]
     assert record.tool_calls >= 2, record.tool_calls  # at least two later turns
     # Each tool result is followed by the prefix, tokenized with it, as tokens the policy did not sample.
-    queued = tokenizer(fmt.results_text(tokenizer, [ToolResult("echo", "echo hi")]) + TURN_PREFIX,
-                       add_special_tokens=False)["input_ids"]
+    queued = tokenizer(
+        fmt.results_text(tokenizer, [ToolResult("echo", "echo hi")]) + TURN_PREFIX, add_special_tokens=False
+    )["input_ids"]
     model_mask, attention = episode.completion_mask[0], episode.completion_attention[0]
     real = int(attention.sum())
     flips = torch.nonzero(model_mask[1:real] != model_mask[: real - 1]).flatten() + 1
@@ -199,11 +219,19 @@ def test_a_turn_prefix_follows_each_tool_result_read_by_the_policy_and_never_tra
     assert len(turns) == record.tool_calls + 1
     # The passes attend to the prefix (the log-probs equal a re-read of the whole row); its gradient is exactly zero.
     policy.train()
-    logprobs, _ = completion_logprobs(policy, episode.prompt_ids, episode.prompt_mask, episode.completion_ids,
-                                      episode.completion_mask, 1.0, completion_attention=episode.completion_attention)
+    logprobs, _ = completion_logprobs(
+        policy,
+        episode.prompt_ids,
+        episode.prompt_mask,
+        episode.completion_ids,
+        episode.completion_mask,
+        1.0,
+        completion_attention=episode.completion_attention,
+    )
     with torch.no_grad():
-        expected = reference_logprobs(policy, episode.prompt_ids, episode.prompt_mask, episode.completion_ids,
-                                      episode.completion_attention)
+        expected = reference_logprobs(
+            policy, episode.prompt_ids, episode.prompt_mask, episode.completion_ids, episode.completion_attention
+        )
     attended = episode.completion_attention.bool()
     assert torch.allclose(logprobs[attended], expected[attended], atol=1e-5)
     logprobs.retain_grad()
@@ -217,12 +245,16 @@ def trajectory(tokenizer):
     ids, mask = encode_prompts(tokenizer, ["What is 3 + 4?", "What is 3 + 4?", "Name a colour."], None)
     torch.manual_seed(3)
     completion = torch.randint(5, 1000, (3, 10))
-    model_mask = torch.tensor([[1, 1, 1, 0, 0, 0, 1, 1, 0, 0],
-                               [1, 1, 0, 0, 0, 0, 0, 0, 0, 0],  # a call, its result, then the cap
-                               [1, 1, 1, 1, 1, 1, 1, 0, 0, 0]])
-    attention = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 1, 0, 0],
-                              [1, 1, 1, 1, 1, 1, 0, 0, 0, 0],
-                              [1, 1, 1, 1, 1, 1, 1, 0, 0, 0]])
+    model_mask = torch.tensor(
+        [
+            [1, 1, 1, 0, 0, 0, 1, 1, 0, 0],
+            [1, 1, 0, 0, 0, 0, 0, 0, 0, 0],  # a call, its result, then the cap
+            [1, 1, 1, 1, 1, 1, 1, 0, 0, 0],
+        ]
+    )
+    attention = torch.tensor(
+        [[1, 1, 1, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1, 0, 0, 0]]
+    )
     return ids, mask, completion, model_mask, attention
 
 
@@ -232,7 +264,7 @@ def reference_logprobs(model, ids, mask, completion, attention):
     for i in range(len(ids)):
         tokens = torch.cat([ids[i, mask[i].bool()], completion[i, attention[i].bool()]])[None]
         logits = model(input_ids=tokens).logits[0, -int(attention[i].sum()) - 1 : -1]  # [c, V]
-        lp = logits.log_softmax(-1).gather(-1, tokens[0, -int(attention[i].sum()):, None]).squeeze(-1)
+        lp = logits.log_softmax(-1).gather(-1, tokens[0, -int(attention[i].sum()) :, None]).squeeze(-1)
         rows.append(torch.nn.functional.pad(lp, (0, completion.shape[1] - len(lp))))
     return torch.stack(rows)  # [N, C]
 
@@ -245,8 +277,9 @@ def test_the_passes_attend_to_tool_tokens_which_get_exactly_zero_gradient(tiny, 
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         policy.enable_input_require_grads()
     ids, mask, completion, model_mask, attention = trajectory(tokenizer)
-    logprobs, _ = completion_logprobs(policy, ids, mask, completion, model_mask, 1.0,
-                                      completion_attention=attention)  # rows 0, 1 share a prompt
+    logprobs, _ = completion_logprobs(
+        policy, ids, mask, completion, model_mask, 1.0, completion_attention=attention
+    )  # rows 0, 1 share a prompt
     with torch.no_grad():
         expected = reference_logprobs(policy, ids, mask, completion, attention)
     real = attention.bool()
@@ -277,14 +310,29 @@ def test_each_loss_type_counts_model_tokens_only():
     }
     noise = torch.where(model_mask.bool(), 0.0, 100.0)  # tool positions' values must not matter
     for loss_type, value in expected.items():
-        result = grpo_loss(logprobs + noise, old + noise / 2, advantages, model_mask, beta=0.0, loss_type=loss_type,
-                           max_completion_length=8, num_items=torch.tensor(7.0))
+        result = grpo_loss(
+            logprobs + noise,
+            old + noise / 2,
+            advantages,
+            model_mask,
+            beta=0.0,
+            loss_type=loss_type,
+            max_completion_length=8,
+            num_items=torch.tensor(7.0),
+        )
         assert torch.allclose(result.loss, value, atol=1e-6), loss_type
 
 
 def test_a_micro_batch_is_trimmed_to_its_attention_not_its_model_tokens(tiny):
     _, tokenizer = tiny
     ids, mask, completion, model_mask, attention = trajectory(tokenizer)
-    batch = _trim({"prompt_ids": ids[1:2], "prompt_mask": mask[1:2], "completion_ids": completion[1:2],
-                   "completion_mask": model_mask[1:2], "completion_attention": attention[1:2]})
+    batch = _trim(
+        {
+            "prompt_ids": ids[1:2],
+            "prompt_mask": mask[1:2],
+            "completion_ids": completion[1:2],
+            "completion_mask": model_mask[1:2],
+            "completion_attention": attention[1:2],
+        }
+    )
     assert batch["completion_ids"].shape[1] == 6  # the tool tokens after the last model token stay

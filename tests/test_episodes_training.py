@@ -39,8 +39,15 @@ def answer_length(prompts, completions, **columns):
 def make(tiny_model_dir, fmt=None, module_class=GRPOModule, module_args=None, **data):
     module_args = {"policy": PolicySpec(name_or_path=tiny_model_dir), **(module_args or {})}
     module = module_class(progress=False, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), **module_args)
-    settings = dict(prompts_per_epoch=2, batch_size=4, val_size=4, train_size=40, val_batch_size=4,
-                    sampling=SamplingSpec(group_size=4, max_new_tokens=8), rewards=[answer_length])
+    settings = dict(
+        prompts_per_epoch=2,
+        batch_size=4,
+        val_size=4,
+        train_size=40,
+        val_batch_size=4,
+        sampling=SamplingSpec(group_size=4, max_new_tokens=8),
+        rewards=[answer_length],
+    )
     settings.update(data)
     episode_keys = [key for key in settings if key in EpisodesSpec.__dataclass_fields__]
     settings["episodes"] = EpisodesSpec(**{key: settings.pop(key) for key in episode_keys})
@@ -51,9 +58,17 @@ def make(tiny_model_dir, fmt=None, module_class=GRPOModule, module_args=None, **
 
 
 def fit(tmp_path, module, data, epochs=2, **kwargs):
-    options = dict(max_epochs=epochs, reload_dataloaders_every_n_epochs=1, accelerator="cpu", logger=False,
-                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                   default_root_dir=tmp_path, num_sanity_val_steps=0)
+    options = dict(
+        max_epochs=epochs,
+        reload_dataloaders_every_n_epochs=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        num_sanity_val_steps=0,
+    )
     options.update(kwargs)
     trainer = L.Trainer(**options)
     trainer.fit(module, data)
@@ -78,39 +93,60 @@ def test_tools_that_are_never_called_train_to_the_same_adapter_bitwise(tmp_path,
     assert any(v.abs().sum() > 0 for k, v in ours.items() if "lora_B" in k)  # it trained (B starts at 0)
 
 
-@pytest.mark.parametrize("setting", [
-    dict(),
-    dict(num_iterations=2, dynamic_sampling=True, max_sampling_rounds=2),
-    dict(advantage_estimator="rloo", loss_type="dapo"),
-    dict(advantage_estimator="reinforce_pp", loss_type="bnpo"),
-    dict(checkpointing=True, loss_type="dr_grpo"),
-], ids=["grpo", "mu2-dynamic", "rloo-dapo", "reinforce_pp", "checkpointing"])
+@pytest.mark.parametrize(
+    "setting",
+    [
+        dict(),
+        dict(num_iterations=2, dynamic_sampling=True, max_sampling_rounds=2),
+        dict(advantage_estimator="rloo", loss_type="dapo"),
+        dict(advantage_estimator="reinforce_pp", loss_type="bnpo"),
+        dict(checkpointing=True, loss_type="dr_grpo"),
+    ],
+    ids=["grpo", "mu2-dynamic", "rloo-dapo", "reinforce_pp", "checkpointing"],
+)
 def test_a_tool_run_trains_logs_episode_metrics_and_writes_each_turn(tmp_path, tiny_model_dir, setting):
     setting = dict(setting)
     module_args = {k: setting.pop(k) for k in ("loss_type",) if k in setting}
     checkpointing = setting.pop("checkpointing", False)
     if checkpointing:
         module_args["policy"] = PolicySpec(name_or_path=tiny_model_dir, gradient_checkpointing=True)
-    module, data = make(tiny_model_dir, fmt=Calls(" "), module_args=module_args, tools=[CALCULATOR], max_turns=2,
-                        max_episode_tokens=40, **setting)
+    module, data = make(
+        tiny_model_dir,
+        fmt=Calls(" "),
+        module_args=module_args,
+        tools=[CALCULATOR],
+        max_turns=2,
+        max_episode_tokens=40,
+        **setting,
+    )
     trainer = fit(tmp_path, module, data, logger=CSVLogger(tmp_path), log_every_n_steps=1)
     metrics = trainer.callback_metrics
     assert metrics["episode/tool_calls"] > 0 and metrics["episode/turns_mean"] > 1
-    for key in ("episode/tool_errors", "episode/tool_timeouts", "episode/tool_seconds",
-                "episode/budget_cut_fraction", "train/loss", "completion/length_mean"):
+    for key in (
+        "episode/tool_errors",
+        "episode/tool_timeouts",
+        "episode/tool_seconds",
+        "episode/budget_cut_fraction",
+        "train/loss",
+        "completion/length_mean",
+    ):
         assert key in metrics and torch.isfinite(metrics[key]), key
     rows = data.last_result.rows
     assert (rows["completion_attention"] > rows["completion_mask"]).any()  # tool tokens were there
     assert (rows["sampler_logprobs"][rows["completion_mask"] == 0] == 0).all()
     samples = [json.loads(line) for line in next(tmp_path.rglob("samples.jsonl")).read_text().splitlines()]
-    assert any(s.get("turns") and s["turns"][1]["role"] == "tool" and s["turns"][1]["content"] == "3"
-               for s in samples)
+    assert any(s.get("turns") and s["turns"][1]["role"] == "tool" and s["turns"][1]["content"] == "3" for s in samples)
     assert any(v.abs().sum() > 0 for k, v in adapter(module).items() if "lora_B" in k)
 
 
 def test_ppo_refuses_episodes_in_one_line_saying_why(tmp_path, tiny_model_dir):
-    module, data = make(tiny_model_dir, module_class=PPOModule, tools=[CALCULATOR], sampling=SamplingSpec(
-        group_size=1, max_new_tokens=8), batch_size=2)
+    module, data = make(
+        tiny_model_dir,
+        module_class=PPOModule,
+        tools=[CALCULATOR],
+        sampling=SamplingSpec(group_size=1, max_new_tokens=8),
+        batch_size=2,
+    )
     with pytest.raises(ValueError, match="PPOModule: its critic"):
         fit(tmp_path, module, data)
 
@@ -120,12 +156,21 @@ def test_a_tool_run_resumed_inside_an_epoch_ends_where_the_straight_run_does(tmp
 
     def run(ckpt_path=None):
         torch.manual_seed(0)
-        module, data = make(tiny_model_dir, fmt=Calls(" "), tools=[CALCULATOR], max_turns=2, max_episode_tokens=40,
-                            batch_size=2)  # 4 optimizer steps per epoch
+        module, data = make(
+            tiny_model_dir, fmt=Calls(" "), tools=[CALCULATOR], max_turns=2, max_episode_tokens=40, batch_size=2
+        )  # 4 optimizer steps per epoch
         saving = ModelCheckpoint(tmp_path / "checkpoints", every_n_train_steps=1, save_top_k=-1)
-        trainer = L.Trainer(max_epochs=2, reload_dataloaders_every_n_epochs=1, accelerator="cpu", logger=False,
-                            callbacks=[saving] if ckpt_path is None else [], enable_progress_bar=False,
-                            enable_model_summary=False, default_root_dir=tmp_path, num_sanity_val_steps=0)
+        trainer = L.Trainer(
+            max_epochs=2,
+            reload_dataloaders_every_n_epochs=1,
+            accelerator="cpu",
+            logger=False,
+            callbacks=[saving] if ckpt_path is None else [],
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+            num_sanity_val_steps=0,
+        )
         trainer.fit(module, data, ckpt_path=ckpt_path)
         return module, data
 
@@ -145,19 +190,33 @@ class Guesses(Scripted):
 
 
 def test_an_environment_per_episode_owns_the_reward_and_its_reset_joins_the_prompt(tmp_path, tiny_model_dir):
-    module, data = make(tiny_model_dir, fmt=Guesses(" "), source="guess_number", task_args={"low": 1, "high": 10},
-                        environment={"class_path": "lit_grpo.environments.builtin.GuessNumber",
-                                     "init_args": {"max_guesses": 2}}, rewards=[], max_turns=3, max_episode_tokens=60,
-                        turn_prefix="guess(")
+    module, data = make(
+        tiny_model_dir,
+        fmt=Guesses(" "),
+        source="guess_number",
+        task_args={"low": 1, "high": 10},
+        environment={"class_path": "lit_grpo.environments.builtin.GuessNumber", "init_args": {"max_guesses": 2}},
+        rewards=[],
+        max_turns=3,
+        max_episode_tokens=60,
+        turn_prefix="guess(",
+    )
     trainer = fit(tmp_path, module, data, epochs=1)
     assert "reward/environment" in trainer.callback_metrics
     assert "Call the guess tool" in data.format_prompts(data.train_rows[:1])[0]
     turns = [m for sample in data.last_result.samples for m in sample[3] if m["role"] == "tool"]
     assert turns and all(m["content"].startswith(("higher", "lower", "correct", "No guesses")) for m in turns)
-    later = [m for sample in data.last_result.samples for before, m in zip(sample[3], sample[3][1:])
-             if before["role"] == "tool"]  # data.episodes.turn_prefix opens every turn after a tool result
+    later = [
+        m
+        for sample in data.last_result.samples
+        for before, m in zip(sample[3], sample[3][1:])
+        if before["role"] == "tool"
+    ]  # data.episodes.turn_prefix opens every turn after a tool result
     assert later and all(m["role"] == "assistant" and m["content"].startswith("guess(") for m in later)
-    with pytest.raises(ValueError, match=r"data.episodes.turn_prefix='guess\(' without data.episodes.tools or data.episodes.environment"):
+    with pytest.raises(
+        ValueError,
+        match=r"data.episodes.turn_prefix='guess\(' without data.episodes.tools or data.episodes.environment",
+    ):
         EpisodesSpec(turn_prefix="guess(")
     with pytest.raises(ValueError, match="data.rewards is empty and data.episodes.environment has no get_reward"):
         OnPolicyDataModule(episodes=EpisodesSpec(tools=[CALCULATOR]), rewards=[])

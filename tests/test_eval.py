@@ -25,11 +25,19 @@ def letter_share(prompts, completions, **columns):
 
 def eval_args(tiny: str, *extra: str) -> list[str]:
     # A random model never answers right; this validation reward still tells answers apart.
-    reward = json.dumps({"class_path": "lit_grpo.rewards.FromCallable",
-                         "init_args": {"function": "test_eval.letter_share"}})
-    return ["--trainer.accelerator=cpu", f"--model.policy.name_or_path={tiny}", "--model.progress=false",
-            "--data.val_size=4", "--data.train_size=8", "--data.sampling.max_new_tokens=6",
-            f"--data.val_reward={reward}", *extra]
+    reward = json.dumps(
+        {"class_path": "lit_grpo.rewards.FromCallable", "init_args": {"function": "test_eval.letter_share"}}
+    )
+    return [
+        "--trainer.accelerator=cpu",
+        f"--model.policy.name_or_path={tiny}",
+        "--model.progress=false",
+        "--data.val_size=4",
+        "--data.train_size=8",
+        "--data.sampling.max_new_tokens=6",
+        f"--data.val_reward={reward}",
+        *extra,
+    ]
 
 
 def test_base_and_adapter_scores_and_json(tiny_model_dir, tmp_path, monkeypatch):
@@ -60,9 +68,15 @@ def test_pass_k_above_samples_is_refused(tiny_model_dir):
 
 def test_eval_runs_the_episodes_and_reports_tool_use(tiny_model_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.syspath_prepend(__import__("os").path.dirname(__file__))
-    result = main(eval_args(tiny_model_dir, "--samples=2", "--pass_k=[1]",
-                            '--data.episodes.tools=["lit_grpo.environments.builtin.calculator"]',
-                            "--data.max_prompt_length=400"))
+    result = main(
+        eval_args(
+            tiny_model_dir,
+            "--samples=2",
+            "--pass_k=[1]",
+            '--data.episodes.tools=["lit_grpo.environments.builtin.calculator"]',
+            "--data.max_prompt_length=400",
+        )
+    )
     assert result["turns_mean"] == 1.0 and result["tool_calls"] == 0.0  # a random model never calls
     assert "tool_calls" in capsys.readouterr().out.splitlines()[0]
 
@@ -87,9 +101,16 @@ class SecretScore:
 
 def test_eval_reports_what_the_environment_scored(tiny_model_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.syspath_prepend(__import__("os").path.dirname(__file__))
-    result = main(eval_args(tiny_model_dir, "--data.source=guess_number", '--data.episodes.environment={"class_path": '
-                            '"test_eval.SecretScore"}', "--data.rewards=[]", "--data.max_prompt_length=400",
-                            f"--transcripts={tmp_path / 'games.jsonl'}"))
+    result = main(
+        eval_args(
+            tiny_model_dir,
+            "--data.source=guess_number",
+            '--data.episodes.environment={"class_path": "test_eval.SecretScore"}',
+            "--data.rewards=[]",
+            "--data.max_prompt_length=400",
+            f"--transcripts={tmp_path / 'games.jsonl'}",
+        )
+    )
     rows = load_rows("guess_number", "train", None, 0, 12)[:4]  # the val rows
     secrets = [row["secret"] for row in rows]
     assert len(set(s > 5 for s in secrets)) == 2  # both kinds, so the share is neither 0 nor 1
@@ -101,8 +122,7 @@ def test_eval_reports_what_the_environment_scored(tiny_model_dir, tmp_path, monk
     assert [g["columns"]["secret"] for g in games] == secrets
     assert [g["env_reward"] for g in games] == [float(s - 5) for s in secrets]
     assert all(g["set"] == "validation" and g["turns"][0]["role"] == "assistant" for g in games)
-    assert games[0]["completion"] == next(m["content"] for m in reversed(games[0]["turns"])
-                                          if m["role"] == "assistant")
+    assert games[0]["completion"] == next(m["content"] for m in reversed(games[0]["turns"]) if m["role"] == "assistant")
 
 
 class ShapedSecret(SecretScore):
@@ -118,8 +138,15 @@ class ShapedSecret(SecretScore):
 
 def test_env_success_reads_the_environments_solved_not_its_shaped_reward(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(__import__("os").path.dirname(__file__))
-    result = main(eval_args(tiny_model_dir, "--data.source=guess_number", '--data.episodes.environment={"class_path": '
-                            '"test_eval.ShapedSecret"}', "--data.rewards=[]", "--data.max_prompt_length=400"))
+    result = main(
+        eval_args(
+            tiny_model_dir,
+            "--data.source=guess_number",
+            '--data.episodes.environment={"class_path": "test_eval.ShapedSecret"}',
+            "--data.rewards=[]",
+            "--data.max_prompt_length=400",
+        )
+    )
     secrets = [row["secret"] for row in load_rows("guess_number", "train", None, 0, 12)[:4]]
     assert 0 < sum(s > 5 for s in secrets) < 4  # every reward is > 0, yet not every game is solved
     assert result["env_success"] == pytest.approx(sum(s > 5 for s in secrets) / 4)

@@ -11,6 +11,7 @@ import importlib.util
 
 import pytest
 import torch
+from test_module import make, trainer
 
 from lit_grpo.data.prompts import chat_prompts
 from lit_grpo.generation import GenerationSpec
@@ -19,7 +20,6 @@ from lit_grpo.generation.rollout import SamplingSpec, encode_prompts
 from lit_grpo.model.logprob_passes import completion_logprobs
 from lit_grpo.objectives import grpo_loss
 from lit_grpo.objectives.grpo import sampler_gap
-from test_module import make, trainer
 
 
 def _prompts(module):
@@ -36,8 +36,14 @@ def test_native_sampler_logprobs_are_those_of_the_distribution_sampled(tiny_mode
     torch.manual_seed(0)
     rollout = module.engine.generate(ids, mask, sampling)
     assert isinstance(module.engine, NativeEngine)
-    trainer_logprobs, _ = completion_logprobs(module.policy, rollout.prompt_ids, rollout.prompt_mask,
-                                              rollout.completion_ids, rollout.completion_mask, temperature=0.7)
+    trainer_logprobs, _ = completion_logprobs(
+        module.policy,
+        rollout.prompt_ids,
+        rollout.prompt_mask,
+        rollout.completion_ids,
+        rollout.completion_mask,
+        temperature=0.7,
+    )
     real = rollout.completion_mask.bool()
     assert torch.all(rollout.logprobs[~real] == 0)
     gap = (trainer_logprobs.detach() - rollout.logprobs)[real]
@@ -73,8 +79,12 @@ def test_truncated_importance_weights_from_the_training_step():
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     weights, metrics = sampler_gap(old, sampler, mask, cap=2.0)
     delta = torch.tensor([0.0, 1.0, -0.1, 0.1, -2.0])  # log pi_old - log pi_sampler on the real tokens
-    expected = torch.tensor([[1.0, min(torch.e, 2.0), float(torch.exp(torch.tensor(-0.1)))],
-                             [float(torch.exp(torch.tensor(0.1))), float(torch.exp(torch.tensor(-2.0))), 1.0]])
+    expected = torch.tensor(
+        [
+            [1.0, min(torch.e, 2.0), float(torch.exp(torch.tensor(-0.1)))],
+            [float(torch.exp(torch.tensor(0.1))), float(torch.exp(torch.tensor(-2.0))), 1.0],
+        ]
+    )
     assert torch.allclose(weights, expected)
     assert torch.isclose(metrics["sampler/logprob_abs_diff"], delta.abs().mean())
     assert torch.isclose(metrics["sampler/kl"], (delta.exp() - 1 - delta).mean())
@@ -92,8 +102,9 @@ def test_grpo_loss_importance_weights_scale_the_surrogate_not_the_kl():
     common = dict(ref_logprobs=ref, beta=0.1, loss_type="bnpo")
     base = grpo_loss(logprobs, logprobs.detach(), advantages, mask, **common)
     ones = grpo_loss(logprobs, logprobs.detach(), advantages, mask, importance_weights=torch.ones(3, 4), **common)
-    doubled = grpo_loss(logprobs, logprobs.detach(), advantages, mask, importance_weights=torch.full((3, 4), 2.0),
-                        **common)
+    doubled = grpo_loss(
+        logprobs, logprobs.detach(), advantages, mask, importance_weights=torch.full((3, 4), 2.0), **common
+    )
     no_kl = grpo_loss(logprobs, logprobs.detach(), advantages, mask, ref_logprobs=ref, beta=0.0, loss_type="bnpo")
     assert torch.equal(base.loss, ones.loss)
     # ratio 1, so the surrogate is -mean(A) per token; doubling it leaves the KL term as it was

@@ -37,22 +37,41 @@ def grpo(model_dir: str, **policy):
     from lit_grpo.algorithms.grpo import GRPOModule
     from lit_grpo.data.grpo import OnPolicyDataModule
 
-    module = GRPOModule(policy=PolicySpec(name_or_path=model_dir, dtype="bfloat16", lora=LoraSpec(r=4, alpha=8),
-                                          **policy),
-                        progress=False, log_samples=0, validate_before_training=False,
-                        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
-    data = OnPolicyDataModule(prompts_per_epoch=2, batch_size=4, val_size=2, train_size=20,
-                              sampling=SamplingSpec(group_size=4, max_new_tokens=6, ignore_eos=True),
-                              rewards=[distinct_characters])
+    module = GRPOModule(
+        policy=PolicySpec(name_or_path=model_dir, dtype="bfloat16", lora=LoraSpec(r=4, alpha=8), **policy),
+        progress=False,
+        log_samples=0,
+        validate_before_training=False,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+    )
+    data = OnPolicyDataModule(
+        prompts_per_epoch=2,
+        batch_size=4,
+        val_size=2,
+        train_size=20,
+        sampling=SamplingSpec(group_size=4, max_new_tokens=6, ignore_eos=True),
+        rewards=[distinct_characters],
+    )
     return module, data
 
 
 def trainer(**kwargs):
     import lightning as L
 
-    return L.Trainer(accelerator="gpu", devices=1, precision="bf16-mixed", max_epochs=1,
-                     reload_dataloaders_every_n_epochs=1, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
-                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs)
+    return L.Trainer(
+        accelerator="gpu",
+        devices=1,
+        precision="bf16-mixed",
+        max_epochs=1,
+        reload_dataloaders_every_n_epochs=1,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
 
 
 def train_one_epoch(module, data, fit) -> tuple[dict, dict]:
@@ -81,14 +100,20 @@ def test_decode_loop_on_cuda_matches_hf_greedy_generate(model_dir):
     tokenizer = load_tokenizer(PolicySpec(name_or_path=model_dir))
     model = AutoModelForCausalLM.from_pretrained(model_dir).cuda().eval()
     assert not llama_step_applies(model, 64)  # oneDNN packing is CPU-only: CUDA decodes through model(...)
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                           add_generation_prompt=True)
-             for prompt in ("What is 3 + 4?", "Reach 24 with 2, 3 and 4, each used once.")]  # unequal lengths
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        for prompt in ("What is 3 + 4?", "Reach 24 with 2, 3 and 4, each used once.")
+    ]  # unequal lengths
     ids, mask = encode_prompts(tokenizer, texts, max_prompt_length=None)
     ours = generate(model, tokenizer, ids, mask, SamplingSpec(max_new_tokens=8), greedy=True)
     with torch.no_grad():
-        theirs = model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=8, do_sample=False,
-                                pad_token_id=tokenizer.pad_token_id)[:, ids.shape[1]:].cpu()  # [B, <=8]
+        theirs = model.generate(
+            input_ids=ids.cuda(),
+            attention_mask=mask.cuda(),
+            max_new_tokens=8,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )[:, ids.shape[1] :].cpu()  # [B, <=8]
     width = theirs.shape[1]
     real = ours.completion_mask[:, :width].cpu()
     assert torch.equal(ours.completion_ids[:, :width].cpu() * real, theirs * real)

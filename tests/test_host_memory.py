@@ -10,9 +10,12 @@ import sys
 import pytest
 
 pytestmark = pytest.mark.skipif(
-    platform.libc_ver()[0] != "glibc" or any(k.startswith("MALLOC_") for k in os.environ)
-    or "LD_PRELOAD" in os.environ or "GLIBC_TUNABLES" in os.environ,
-    reason="glibc's own malloc, as it comes, only")
+    platform.libc_ver()[0] != "glibc"
+    or any(k.startswith("MALLOC_") for k in os.environ)
+    or "LD_PRELOAD" in os.environ
+    or "GLIBC_TUNABLES" in os.environ,
+    reason="glibc's own malloc, as it comes, only",
+)
 
 # Three checkpointed log-prob passes (forward + backward) of a small random Llama over 4 rows
 # x 1024 completion tokens; prints the MiB of RSS they leave behind. Their tensors are all
@@ -87,6 +90,7 @@ print("applied", callback.applied)
 
 
 def test_the_callback_applies_it_for_a_cpu_run(tmp_path):
-    out = subprocess.run([sys.executable, "-c", "import sys\n" + FIT, str(tmp_path)], capture_output=True,
-                         text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys\n" + FIT, str(tmp_path)], capture_output=True, text=True, check=True
+    )
     assert out.stdout.strip().splitlines()[-1] == "applied True"

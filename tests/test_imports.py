@@ -5,13 +5,18 @@ from __future__ import annotations
 import subprocess
 import sys
 
-
 import lit_grpo
 
 
 def test_public_classes_import_from_the_package():
     from lit_grpo import (  # noqa: F401
-        DPOModule, GRPOModule, LoraSpec, OnPolicyDataModule, PolicySpec, PreferenceDataModule, SamplingSpec,
+        DPOModule,
+        GRPOModule,
+        LoraSpec,
+        OnPolicyDataModule,
+        PolicySpec,
+        PreferenceDataModule,
+        SamplingSpec,
     )
     from lit_grpo.algorithms.grpo import GRPOModule as defined
 
@@ -20,8 +25,10 @@ def test_public_classes_import_from_the_package():
 
 
 def test_the_math_and_the_rewards_import_without_lightning_or_transformers():
-    code = ("import sys, lit_grpo, lit_grpo.objectives, lit_grpo.rewards; "
-            "print(sorted(m for m in ('lightning', 'transformers', 'peft') if m in sys.modules))")
+    code = (
+        "import sys, lit_grpo, lit_grpo.objectives, lit_grpo.rewards; "
+        "print(sorted(m for m in ('lightning', 'transformers', 'peft') if m in sys.modules))"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
 

@@ -28,21 +28,41 @@ def often_ending_model_dir(tmp_path, tiny_model_dir) -> str:
 
 
 def test_overlong_filtering_and_penalty_are_logged(tmp_path, often_ending_model_dir):
-    module = GRPOModule(policy=PolicySpec(name_or_path=often_ending_model_dir), progress=False, log_samples=0,
-                        validate_before_training=False)
+    module = GRPOModule(
+        policy=PolicySpec(name_or_path=often_ending_model_dir),
+        progress=False,
+        log_samples=0,
+        validate_before_training=False,
+    )
     data = OnPolicyDataModule(
-        prompts_per_epoch=4, batch_size=16, val_size=1, train_size=8,
+        prompts_per_epoch=4,
+        batch_size=16,
+        val_size=1,
+        train_size=8,
         sampling=SamplingSpec(group_size=4, max_new_tokens=MAX_NEW_TOKENS, mask_truncated=True),
         # the ramp spans the whole budget: a completion of n tokens gets -n / 6
         rewards=[OverlongPenalty(max_len=MAX_NEW_TOKENS, buffer=MAX_NEW_TOKENS)],
     )
-    trainer = L.Trainer(max_epochs=1, reload_dataloaders_every_n_epochs=1, accelerator="cpu", logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=tmp_path, num_sanity_val_steps=0, limit_val_batches=0)
+    trainer = L.Trainer(
+        max_epochs=1,
+        reload_dataloaders_every_n_epochs=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     trainer.fit(module, data)
     logged, stats = trainer.callback_metrics, data.last_stats
-    names = ("reward/overlong_penalty", "rollout/truncated_fraction", "rollout/masked_token_fraction",
-             "completion/length_mean")
+    names = (
+        "reward/overlong_penalty",
+        "rollout/truncated_fraction",
+        "rollout/masked_token_fraction",
+        "completion/length_mean",
+    )
     for name in names:
         assert name in logged, name
         torch.testing.assert_close(float(logged[name]), stats[name])
@@ -56,14 +76,29 @@ def test_overlong_filtering_and_penalty_are_logged(tmp_path, often_ending_model_
 
 
 def test_no_masked_token_fraction_without_overlong_filtering(tmp_path, tiny_model_dir):
-    module = GRPOModule(policy=PolicySpec(name_or_path=tiny_model_dir), progress=False, log_samples=0,
-                        validate_before_training=False)
-    data = OnPolicyDataModule(prompts_per_epoch=1, batch_size=2, val_size=1, train_size=2,
-                              sampling=SamplingSpec(group_size=2, max_new_tokens=2),
-                              rewards=[OverlongPenalty(max_len=2, buffer=1)])
-    trainer = L.Trainer(max_epochs=1, reload_dataloaders_every_n_epochs=1, accelerator="cpu", logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=tmp_path, num_sanity_val_steps=0, limit_val_batches=0)
+    module = GRPOModule(
+        policy=PolicySpec(name_or_path=tiny_model_dir), progress=False, log_samples=0, validate_before_training=False
+    )
+    data = OnPolicyDataModule(
+        prompts_per_epoch=1,
+        batch_size=2,
+        val_size=1,
+        train_size=2,
+        sampling=SamplingSpec(group_size=2, max_new_tokens=2),
+        rewards=[OverlongPenalty(max_len=2, buffer=1)],
+    )
+    trainer = L.Trainer(
+        max_epochs=1,
+        reload_dataloaders_every_n_epochs=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     trainer.fit(module, data)
     assert "rollout/truncated_fraction" in data.last_stats
     assert "rollout/masked_token_fraction" not in data.last_stats

@@ -16,8 +16,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lit_grpo.model import logprob_passes
 from lit_grpo.generation.rollout import encode_prompts
+from lit_grpo.model import logprob_passes
 from lit_grpo.model.logprob_passes import _full_logits, completion_logprobs
 from lit_grpo.objectives import token_logprobs
 
@@ -34,8 +34,9 @@ def small_passes(monkeypatch):
 @pytest.fixture()
 def rows(tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, padding_side="left")
-    ids, mask = encode_prompts(tokenizer, ["What is 3 + 4?", "Reach 24 with 2, 3 and 4, each used once."],
-                               max_prompt_length=None)  # unequal lengths: left padding
+    ids, mask = encode_prompts(
+        tokenizer, ["What is 3 + 4?", "Reach 24 with 2, 3 and 4, each used once."], max_prompt_length=None
+    )  # unequal lengths: left padding
     generator = torch.Generator().manual_seed(0)
     completion_ids = torch.randint(3, len(tokenizer), (len(LENGTHS), max(LENGTHS)), generator=generator)
     completion_mask = (torch.arange(max(LENGTHS)) < torch.tensor(LENGTHS)[:, None]).long()  # [N, C]
@@ -47,8 +48,9 @@ def policy(tiny_model_dir, dropout: float = 0.0, checkpointing: bool = False, re
     """A LoRA policy in training mode whose adapter is not zero (as after some training)."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     torch.manual_seed(0)
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules="all-linear",
-                                             init_lora_weights=False)).train()
+    model = get_peft_model(
+        model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules="all-linear", init_lora_weights=False)
+    ).train()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     return model
@@ -107,6 +109,6 @@ def test_checkpointing_keeps_the_shared_prompt_path(tiny_model_dir, rows):
     assert all(n * width <= PASS_TOKENS or n == 1 for n, width in forward[1:])
     assert sum(n for n, _ in forward[1:]) >= sum(length > 1 for length in LENGTHS)  # every row past its first token
     logprobs.sum().backward()
-    assert sorted(calls[len(forward):]) == sorted(forward)  # each pass recomputed once, the prompt's too
+    assert sorted(calls[len(forward) :]) == sorted(forward)  # each pass recomputed once, the prompt's too
     assert all(layer.gradient_checkpointing for layer in layers)
     assert all("forward" not in vars(layer) for layer in layers)

@@ -10,11 +10,11 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from lit_grpo.data.grpo import OnPolicyDataModule
 from lit_grpo.algorithms.grpo import GRPOModule
+from lit_grpo.data.grpo import OnPolicyDataModule
+from lit_grpo.generation.rollout import SamplingSpec
 from lit_grpo.model.logprob_passes import completion_logprobs
 from lit_grpo.model.policy import PolicySpec
-from lit_grpo.generation.rollout import SamplingSpec
 
 
 def length_reward(prompts, completions, **columns):
@@ -27,18 +27,37 @@ def constant_reward(prompts, completions, **columns):
 
 
 def make(tiny_model_dir, reward=length_reward, beta=0.04, **data):
-    module = GRPOModule(policy=PolicySpec(name_or_path=tiny_model_dir), beta=beta, progress=False,
-                        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
-    settings = dict(prompts_per_epoch=2, batch_size=4, val_size=4, train_size=40, val_batch_size=4,
-                    sampling=SamplingSpec(group_size=4, max_new_tokens=6), rewards=[reward])
+    module = GRPOModule(
+        policy=PolicySpec(name_or_path=tiny_model_dir),
+        beta=beta,
+        progress=False,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+    )
+    settings = dict(
+        prompts_per_epoch=2,
+        batch_size=4,
+        val_size=4,
+        train_size=40,
+        val_batch_size=4,
+        sampling=SamplingSpec(group_size=4, max_new_tokens=6),
+        rewards=[reward],
+    )
     settings.update(data)
     return module, OnPolicyDataModule(**settings)
 
 
 def trainer(tmp_path, epochs=2, **kwargs):
-    options = dict(max_epochs=epochs, reload_dataloaders_every_n_epochs=1, accelerator="cpu",
-                   logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                   enable_model_summary=False, default_root_dir=tmp_path, num_sanity_val_steps=0)
+    options = dict(
+        max_epochs=epochs,
+        reload_dataloaders_every_n_epochs=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        num_sanity_val_steps=0,
+    )
     options.update(kwargs)
     return L.Trainer(**options)
 
@@ -48,8 +67,16 @@ def test_two_epoch_fit_logs_rollout_and_validation(tmp_path, tiny_model_dir):
     fit = trainer(tmp_path)
     fit.fit(module, data)
     metrics = fit.callback_metrics
-    for key in ("train/loss", "reward/total", "reward/length_reward", "val/accuracy", "train/kl",
-                "rollout/collapsed_fraction", "completion/length_mean", "time/generate"):
+    for key in (
+        "train/loss",
+        "reward/total",
+        "reward/length_reward",
+        "val/accuracy",
+        "train/kl",
+        "rollout/collapsed_fraction",
+        "completion/length_mean",
+        "time/generate",
+    ):
         assert key in metrics and torch.isfinite(metrics[key]), key
     assert fit.global_step == 4  # 2 epochs x (2 prompts x 4 samples / batch 4)
     assert data.position == 4  # two epochs took two prompts each
@@ -76,11 +103,19 @@ def test_reference_logprobs_equal_base_model(tmp_path, tiny_model_dir):
     reference = module.rollout_logprobs(rows, temperature=0.8, reference=True, batch_size=size)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     with torch.no_grad():
-        expected = torch.cat([
-            completion_logprobs(base, *(rows[k][i : i + size] for k in
-                                        ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")), 0.8)[0]
-            for i in range(0, len(rows["prompt_ids"]), size)
-        ])
+        expected = torch.cat(
+            [
+                completion_logprobs(
+                    base,
+                    *(
+                        rows[k][i : i + size]
+                        for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+                    ),
+                    0.8,
+                )[0]
+                for i in range(0, len(rows["prompt_ids"]), size)
+            ]
+        )
     mask = rows["completion_mask"].bool()
     assert torch.equal(reference[mask], expected[mask])
     policy = module.rollout_logprobs(rows, temperature=0.8, reference=False)
@@ -92,9 +127,13 @@ def _one_rollout(module, data):
 
     ids, mask = data.encode(data.train_rows[:2])
     rollout = generate(module.policy, module.tokenizer, ids, mask, data.sampling)
-    return {"prompt_ids": rollout.prompt_ids, "prompt_mask": rollout.prompt_mask,
-            "completion_ids": rollout.completion_ids, "completion_mask": rollout.completion_mask,
-            "advantages": torch.zeros(len(rollout.texts))}
+    return {
+        "prompt_ids": rollout.prompt_ids,
+        "prompt_mask": rollout.prompt_mask,
+        "completion_ids": rollout.completion_ids,
+        "completion_mask": rollout.completion_mask,
+        "advantages": torch.zeros(len(rollout.texts)),
+    }
 
 
 class GradientRecorder(L.Callback):
@@ -132,11 +171,21 @@ def test_skipping_zero_gradient_rows_leaves_the_step_unchanged(tmp_path, tiny_mo
     grads = []
     for skip in (True, False):
         L.seed_everything(0)
-        module = GRPOModule(policy=PolicySpec(name_or_path=tiny_model_dir), beta=0.0, loss_type=loss_type,
-                            skip_zero_gradient_rows=skip, progress=False)
-        data = OnPolicyDataModule(prompts_per_epoch=4, batch_size=16, val_size=4, train_size=40,
-                                  sampling=SamplingSpec(group_size=4, max_new_tokens=6),
-                                  rewards=[first_group_collapsed])
+        module = GRPOModule(
+            policy=PolicySpec(name_or_path=tiny_model_dir),
+            beta=0.0,
+            loss_type=loss_type,
+            skip_zero_gradient_rows=skip,
+            progress=False,
+        )
+        data = OnPolicyDataModule(
+            prompts_per_epoch=4,
+            batch_size=16,
+            val_size=4,
+            train_size=40,
+            sampling=SamplingSpec(group_size=4, max_new_tokens=6),
+            rewards=[first_group_collapsed],
+        )
         recorder = FullGradient()
         trainer(tmp_path, epochs=1, callbacks=[recorder]).fit(module, data)
         assert float(module.trainer.callback_metrics["rollout/collapsed_fraction"]) == 0.25
@@ -148,8 +197,12 @@ def test_skipping_zero_gradient_rows_leaves_the_step_unchanged(tmp_path, tiny_mo
 
 def test_resume_continues_at_epoch_and_prompt_position(tmp_path, tiny_model_dir):
     module, data = make(tiny_model_dir)
-    first = trainer(tmp_path, epochs=2, enable_checkpointing=True,
-                    callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)])
+    first = trainer(
+        tmp_path,
+        epochs=2,
+        enable_checkpointing=True,
+        callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)],
+    )
     first.fit(module, data)
     checkpoint = torch.load(tmp_path / "last.ckpt", weights_only=False)
     assert not any("lora_" not in key for key in checkpoint["state_dict"])  # no frozen base weights
@@ -182,8 +235,9 @@ def test_exported_adapter_reloads_to_identical_logprobs(tmp_path, tiny_model_dir
     rows = _one_rollout(module, data)
     ours = module.rollout_logprobs(rows, temperature=0.8, reference=False)
     with torch.no_grad():
-        theirs, _ = completion_logprobs(reloaded, rows["prompt_ids"], rows["prompt_mask"],
-                                        rows["completion_ids"], rows["completion_mask"], 0.8)
+        theirs, _ = completion_logprobs(
+            reloaded, rows["prompt_ids"], rows["prompt_mask"], rows["completion_ids"], rows["completion_mask"], 0.8
+        )
     mask = rows["completion_mask"].bool()
     assert torch.equal(ours[mask], theirs[mask])
 
@@ -205,8 +259,13 @@ def test_user_built_trainer_with_own_logger_and_callbacks(tmp_path, tiny_model_d
 @pytest.mark.parametrize("enabled", [True, False])
 def test_rollout_progress_bars_follow_the_trainers(enabled, tmp_path):
     module = GRPOModule(progress=True)
-    module.trainer = L.Trainer(accelerator="cpu", enable_progress_bar=enabled, logger=False,
-                               enable_checkpointing=False, default_root_dir=tmp_path)
+    module.trainer = L.Trainer(
+        accelerator="cpu",
+        enable_progress_bar=enabled,
+        logger=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )
     bar = module.show_progress("rollout 1", 4)
     assert (bar is not None) == enabled
     if bar is not None:
@@ -216,8 +275,14 @@ def test_rollout_progress_bars_follow_the_trainers(enabled, tmp_path):
 @pytest.mark.integration
 def test_embedded_model_trains_two_epochs(tmp_path):
     module = GRPOModule(progress=False)
-    data = OnPolicyDataModule(prompts_per_epoch=2, batch_size=8, val_size=2, train_size=20,
-                              task_args={"ops": "+"}, sampling=SamplingSpec(group_size=4, max_new_tokens=8))
+    data = OnPolicyDataModule(
+        prompts_per_epoch=2,
+        batch_size=8,
+        val_size=2,
+        train_size=20,
+        task_args={"ops": "+"},
+        sampling=SamplingSpec(group_size=4, max_new_tokens=8),
+    )
     fit = trainer(tmp_path, epochs=2, check_val_every_n_epoch=2)
     fit.fit(module, data)
     metrics = fit.callback_metrics

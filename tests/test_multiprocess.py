@@ -14,7 +14,10 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Sin
 
 from lit_grpo.training.distributed import reduce_across_ranks
 from lit_grpo.training.multiprocess import (
-    CPU_TIMEOUT_S, describe_collective_failure, is_collective_failure, set_collective_timeout,
+    CPU_TIMEOUT_S,
+    describe_collective_failure,
+    is_collective_failure,
+    set_collective_timeout,
 )
 
 

@@ -16,11 +16,11 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_grpo.algorithms.grpo import GRPOModule
-from lit_grpo.training.checkpointing import AtomicCheckpointIO
 from lit_grpo.data.grpo import OnPolicyDataModule
 from lit_grpo.generation.rollout import SamplingSpec
 from lit_grpo.model.policy import PolicySpec
 from lit_grpo.rewards import Accuracy
+from lit_grpo.training.checkpointing import AtomicCheckpointIO
 from lit_grpo.training.guard import NonFiniteStepsError
 
 
@@ -44,19 +44,43 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_training(tmp_path, tiny_mo
     # Epoch 1: every micro-batch is NaN -> 2 skips in a row = max_nonfinite_steps -> error.
     poison = {(0, 0)} | {(1, b) for b in range(4)}
     # The LR halves with every optimizer step taken (a per-step schedule).
-    module = PoisonedGRPO(poison, policy=PolicySpec(name_or_path=tiny_model_dir), max_nonfinite_steps=2,
-                          progress=False, validate_before_training=False,
-                          optimizer=lambda params: torch.optim.AdamW(params, lr=1e-4),
-                          scheduler=lambda optimizer: torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.5))
-    data = OnPolicyDataModule(train_size=40, val_size=4, prompts_per_epoch=2, batch_size=2,
-                              sampling=SamplingSpec(group_size=4, max_new_tokens=4), rewards=[Accuracy()])
+    module = PoisonedGRPO(
+        poison,
+        policy=PolicySpec(name_or_path=tiny_model_dir),
+        max_nonfinite_steps=2,
+        progress=False,
+        validate_before_training=False,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-4),
+        scheduler=lambda optimizer: torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.5),
+    )
+    data = OnPolicyDataModule(
+        train_size=40,
+        val_size=4,
+        prompts_per_epoch=2,
+        batch_size=2,
+        sampling=SamplingSpec(group_size=4, max_new_tokens=4),
+        rewards=[Accuracy()],
+    )
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
-    trainer = L.Trainer(accelerator="cpu", max_epochs=3, reload_dataloaders_every_n_epochs=1,
-                        accumulate_grad_batches=2, gradient_clip_val=0.5, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        callbacks=[checkpoint], plugins=[AtomicCheckpointIO()], default_root_dir=tmp_path)
-    with pytest.raises(NonFiniteStepsError, match=r"2 consecutive optimizer steps had a NaN/inf gradient "
-                                                  r"\(model.max_nonfinite_steps=2\); training stopped"):
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=3,
+        reload_dataloaders_every_n_epochs=1,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.5,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[checkpoint],
+        plugins=[AtomicCheckpointIO()],
+        default_root_dir=tmp_path,
+    )
+    with pytest.raises(
+        NonFiniteStepsError,
+        match=r"2 consecutive optimizer steps had a NaN/inf gradient "
+        r"\(model.max_nonfinite_steps=2\); training stopped",
+    ):
         trainer.fit(module, data)
 
     assert module.guard.skipped == 3

@@ -125,7 +125,15 @@ def test_empty_rows_contribute_nothing(loss_type, importance_level):
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_all_padding_batch_is_zero(loss_type):
     logprobs = torch.zeros(2, 3, requires_grad=True)
-    out = grpo_loss(logprobs, logprobs.detach(), torch.ones(2), torch.zeros(2, 3), ref_logprobs=torch.zeros(2, 3), loss_type=loss_type, **NORMS)
+    out = grpo_loss(
+        logprobs,
+        logprobs.detach(),
+        torch.ones(2),
+        torch.zeros(2, 3),
+        ref_logprobs=torch.zeros(2, 3),
+        loss_type=loss_type,
+        **NORMS,
+    )
     out.loss.backward()
     assert out.loss.item() == 0.0 and not logprobs.grad.isnan().any()
 
@@ -171,8 +179,17 @@ def test_parity_with_reference_loop(loss_type, importance_level, beta):
     expected = reference_loss(logprobs, old, adv, mask, ref, *args)
     (expected_grad,) = torch.autograd.grad(expected, logprobs)
     out = grpo_loss(
-        logprobs, old, adv, mask, ref_logprobs=ref, beta=beta, epsilon_high=0.28, loss_type=loss_type,
-        importance_level=importance_level, max_completion_length=5, num_items=13,
+        logprobs,
+        old,
+        adv,
+        mask,
+        ref_logprobs=ref,
+        beta=beta,
+        epsilon_high=0.28,
+        loss_type=loss_type,
+        importance_level=importance_level,
+        max_completion_length=5,
+        num_items=13,
     )
     out.loss.backward()
     torch.testing.assert_close(out.loss, expected)
@@ -185,7 +202,9 @@ def test_sequence_level_hand_computed():
     # Masking the 2nd token (value 100 ignored): rho = 2 -> loss 2.
     logprobs = torch.tensor([[math.log(2.0), 100.0]])
     adv = torch.tensor([-1.0])
-    out = grpo_loss(logprobs, torch.tensor([[0.0, 100.0]]), adv, torch.ones(1, 2), beta=0.0, importance_level="sequence")
+    out = grpo_loss(
+        logprobs, torch.tensor([[0.0, 100.0]]), adv, torch.ones(1, 2), beta=0.0, importance_level="sequence"
+    )
     torch.testing.assert_close(out.loss, torch.tensor(math.sqrt(2.0)))
     masked = grpo_loss(logprobs, torch.zeros(1, 2), adv, torch.tensor([[1, 0]]), beta=0.0, importance_level="sequence")
     torch.testing.assert_close(masked.loss, torch.tensor(2.0))
@@ -203,8 +222,14 @@ def test_dapo_split_into_micro_batches_gives_the_same_gradient(importance_level)
 
     def loss(rows, loss_type="dapo"):
         return grpo_loss(
-            logprobs[rows], old[rows], adv[rows], mask[rows], ref_logprobs=ref[rows],
-            loss_type=loss_type, importance_level=importance_level, num_items=num_items,
+            logprobs[rows],
+            old[rows],
+            adv[rows],
+            mask[rows],
+            ref_logprobs=ref[rows],
+            loss_type=loss_type,
+            importance_level=importance_level,
+            num_items=num_items,
         ).loss
 
     (whole,) = torch.autograd.grad(loss(slice(0, 6)), logprobs)
@@ -230,7 +255,9 @@ def test_beta_zero_never_touches_ref():
 
 def test_errors():
     lp, mask, adv = torch.zeros(2, 3), torch.ones(2, 3), torch.ones(2)
-    with pytest.raises(ValueError, match=r"loss_type must be one of \['bnpo', 'cispo', 'dapo', 'dr_grpo', 'grpo', 'sapo'\], got 'ppo'"):
+    with pytest.raises(
+        ValueError, match=r"loss_type must be one of \['bnpo', 'cispo', 'dapo', 'dr_grpo', 'grpo', 'sapo'\], got 'ppo'"
+    ):
         grpo_loss(lp, lp, adv, mask, beta=0.0, loss_type="ppo")
     with pytest.raises(ValueError, match=r"importance_level must be one of \['sequence', 'token'\]"):
         grpo_loss(lp, lp, adv, mask, beta=0.0, importance_level="row")
@@ -263,11 +290,22 @@ def test_bf16_inputs_are_computed_in_fp32_and_match_the_reference_loop(loss_type
     adv = torch.randn(5, generator=gen).bfloat16()
     mask = (torch.arange(6) < torch.tensor([6, 3, 0, 1, 5])[:, None]).float()
     upcast = logprobs.detach().float().requires_grad_()
-    expected = reference_loss(upcast, old.float(), adv.float(), mask, ref.float(), 0.04, 0.2, 0.28, loss_type,
-                              "token", 5, 13)
+    expected = reference_loss(
+        upcast, old.float(), adv.float(), mask, ref.float(), 0.04, 0.2, 0.28, loss_type, "token", 5, 13
+    )
     (expected_grad,) = torch.autograd.grad(expected, upcast)
-    out = grpo_loss(logprobs, old, adv, mask, ref_logprobs=ref, beta=0.04, epsilon_high=0.28, loss_type=loss_type,
-                    max_completion_length=5, num_items=13)
+    out = grpo_loss(
+        logprobs,
+        old,
+        adv,
+        mask,
+        ref_logprobs=ref,
+        beta=0.04,
+        epsilon_high=0.28,
+        loss_type=loss_type,
+        max_completion_length=5,
+        num_items=13,
+    )
     out.loss.backward()
     assert out.loss.dtype == torch.float32 and out.metrics["kl"].dtype == torch.float32
     torch.testing.assert_close(out.loss, expected)

@@ -13,7 +13,5 @@ def test_objectives_import_only_torch():
         "heavy = ('lightning', 'pytorch_lightning', 'transformers', 'peft')\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True
-    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]", done.stdout

@@ -11,10 +11,10 @@ import math
 
 import pytest
 import torch
+from test_bad_inputs import fit  # noqa: F401  (the fixture: lit-grpo fit on the tiny model, in-process)
 
 from lit_grpo.objectives import decoupled_group_advantages, grpo_loss
 from lit_grpo.objectives.grpo import high_entropy_mask
-from test_bad_inputs import fit  # noqa: F401  (the fixture: lit-grpo fit on the tiny model, in-process)
 
 
 def case(seed: int = 0):
@@ -59,8 +59,9 @@ def gradient(loss, logprobs):
 @pytest.mark.parametrize("epsilon_high", [0.2, 4.0])
 def test_cispo_matches_its_naive_reference_in_value_and_gradient(epsilon_high):
     logprobs, old, advantages, mask = case()
-    out = grpo_loss(logprobs, old, advantages, mask, beta=0.0, loss_type="cispo", epsilon_high=epsilon_high,
-                    num_items=11)
+    out = grpo_loss(
+        logprobs, old, advantages, mask, beta=0.0, loss_type="cispo", epsilon_high=epsilon_high, num_items=11
+    )
     reference = naive_cispo(logprobs, old, advantages, mask, epsilon_high, num_items=11)
     torch.testing.assert_close(out.loss, reference)
     torch.testing.assert_close(gradient(out.loss, logprobs), gradient(reference, logprobs))
@@ -77,8 +78,9 @@ def test_cispo_keeps_the_gradient_where_the_clip_would_drop_it():
 
 def test_sapo_matches_its_naive_reference_and_is_the_policy_gradient_on_policy():
     logprobs, old, advantages, mask = case(1)
-    out = grpo_loss(logprobs, old, advantages, mask, beta=0.0, loss_type="sapo", sapo_temperature_pos=1.0,
-                    sapo_temperature_neg=1.05)
+    out = grpo_loss(
+        logprobs, old, advantages, mask, beta=0.0, loss_type="sapo", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05
+    )
     reference = naive_sapo(logprobs, old, advantages, mask, 1.0, 1.05)
     torch.testing.assert_close(out.loss, reference)
     torch.testing.assert_close(gradient(out.loss, logprobs), gradient(reference, logprobs))
@@ -92,8 +94,17 @@ def test_sapo_matches_its_naive_reference_and_is_the_policy_gradient_on_policy()
 def test_the_entropy_bonus_and_the_top_entropy_quantile_match_their_references():
     logprobs, old, advantages, mask = case(2)
     entropies = torch.rand(4, 5, generator=torch.Generator().manual_seed(3)).requires_grad_()
-    out = grpo_loss(logprobs, old, advantages, mask, beta=0.0, loss_type="bnpo", entropies=entropies,
-                    entropy_coef=0.01, top_entropy_quantile=0.5)
+    out = grpo_loss(
+        logprobs,
+        old,
+        advantages,
+        mask,
+        beta=0.0,
+        loss_type="bnpo",
+        entropies=entropies,
+        entropy_coef=0.01,
+        top_entropy_quantile=0.5,
+    )
     real = [(i, t) for i in range(4) for t in range(5) if mask[i, t]]
     values = sorted(entropies[i, t].item() for i, t in real)
     threshold = torch.quantile(torch.tensor(values), 0.5).item()
@@ -108,7 +119,8 @@ def test_the_entropy_bonus_and_the_top_entropy_quantile_match_their_references()
     for tensor in (logprobs, entropies):
         torch.testing.assert_close(gradient(out.loss, tensor), gradient(reference, tensor))
     assert out.metrics["entropy/trained_fraction"].item() == pytest.approx(
-        sum(entropies[i, t].item() >= threshold for i, t in real) / len(real))
+        sum(entropies[i, t].item() >= threshold for i, t in real) / len(real)
+    )
 
 
 def test_high_entropy_mask_keeps_the_top_fraction_of_real_tokens_only():
@@ -139,8 +151,16 @@ def naive_gdpo(rewards, weights, group_size, eps=1e-4):
 
 def test_gdpo_advantages_match_their_naive_reference_and_weigh_rewards_apart():
     nan = float("nan")
-    rewards = [[1.0, 10.0], [0.0, 30.0], [1.0, 20.0], [0.0, nan],  # group 0: both rewards vary
-               [1.0, 5.0], [1.0, 5.0], [1.0, 5.0], [1.0, 5.0]]  # group 1: both collapsed -> 0
+    rewards = [
+        [1.0, 10.0],
+        [0.0, 30.0],
+        [1.0, 20.0],
+        [0.0, nan],  # group 0: both rewards vary
+        [1.0, 5.0],
+        [1.0, 5.0],
+        [1.0, 5.0],
+        [1.0, 5.0],
+    ]  # group 1: both collapsed -> 0
     weights = [1.0, 0.5]
     out = decoupled_group_advantages(torch.tensor(rewards), torch.tensor(weights), group_size=4)
     torch.testing.assert_close(out.advantages, torch.tensor(naive_gdpo(rewards, weights, 4)), rtol=1e-5, atol=1e-6)
@@ -170,13 +190,18 @@ def gradient_pair(loss, *tensors):
     return torch.autograd.grad(loss, tensors)
 
 
-@pytest.mark.parametrize("options", [
-    ["--model.loss_type=cispo", "--model.epsilon_high=4.0"],
-    ["--model.loss_type=sapo", "--model.sapo_temperature_neg=1.2"],
-    ["--model.entropy_coef=0.01", "--model.top_entropy_quantile=0.5", "--model.beta=0"],
-    ["--data.multi_objective_aggregation=normalize_then_sum",
-     '--data.rewards=[{"class_path": "lit_grpo.rewards.Accuracy"}, {"class_path": "lit_grpo.rewards.Format"}]'],
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["--model.loss_type=cispo", "--model.epsilon_high=4.0"],
+        ["--model.loss_type=sapo", "--model.sapo_temperature_neg=1.2"],
+        ["--model.entropy_coef=0.01", "--model.top_entropy_quantile=0.5", "--model.beta=0"],
+        [
+            "--data.multi_objective_aggregation=normalize_then_sum",
+            '--data.rewards=[{"class_path": "lit_grpo.rewards.Accuracy"}, {"class_path": "lit_grpo.rewards.Format"}]',
+        ],
+    ],
+)
 def test_each_is_selected_from_the_command_line_and_trains(fit, options):  # noqa: F811
     code, last = fit(*options, "--trainer.max_epochs=2", "--data.dynamic_sampling=false")
     assert code == 0, last
@@ -184,7 +209,8 @@ def test_each_is_selected_from_the_command_line_and_trains(fit, options):  # noq
 
 def test_a_wrong_choice_is_one_line(fit):  # noqa: F811
     code, last = fit("--model.top_entropy_quantile=0")
-    assert code == 2 and last == ("lit-grpo: model.top_entropy_quantile=0.0; expected a fraction in (0, 1] (1.0 trains "
-                                  "on every token).")
+    assert code == 2 and last == (
+        "lit-grpo: model.top_entropy_quantile=0.0; expected a fraction in (0, 1] (1.0 trains on every token)."
+    )
     code, last = fit("--data.multi_objective_aggregation=normalize_then_sum", "--data.advantage_estimator=rloo")
     assert code == 2 and "use grpo." in last

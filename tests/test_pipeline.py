@@ -18,28 +18,76 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def common(tiny_model_dir: str, root: Path) -> list[str]:
-    return [f"--model.policy.name_or_path={tiny_model_dir}", "--model.policy.lora.r=4", "--model.policy.lora.alpha=8",
-            f"--trainer.default_root_dir={root}", "--trainer.logger=false", "--trainer.enable_progress_bar=false",
-            "--trainer.enable_model_summary=false", "--model.progress=false", f"--export_adapter={root / 'out'}"]
+    return [
+        f"--model.policy.name_or_path={tiny_model_dir}",
+        "--model.policy.lora.r=4",
+        "--model.policy.lora.alpha=8",
+        f"--trainer.default_root_dir={root}",
+        "--trainer.logger=false",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        "--model.progress=false",
+        f"--export_adapter={root / 'out'}",
+    ]
 
 
 def test_sft_then_reward_model_then_grpo_scored_by_it(tmp_path, tiny_model_dir):
     sft, rm, grpo = tmp_path / "sft", tmp_path / "rm", tmp_path / "grpo"
-    main(["sft", "fit", "--config", str(CONFIGS / "sft_quickstart.yaml"), *common(tiny_model_dir, sft),
-          "--data.train_size=8", "--data.val_size=4", "--data.val_max_new_tokens=4"])
+    main(
+        [
+            "sft",
+            "fit",
+            "--config",
+            str(CONFIGS / "sft_quickstart.yaml"),
+            *common(tiny_model_dir, sft),
+            "--data.train_size=8",
+            "--data.val_size=4",
+            "--data.val_max_new_tokens=4",
+        ]
+    )
     assert (sft / "out" / "adapter_model.safetensors").is_file()
-    main(["rm", "fit", "--config", str(CONFIGS / "rm_quickstart.yaml"), *common(tiny_model_dir, rm),
-          f"--model.policy.init_adapter={sft / 'out'}", "--data.train_size=8", "--data.val_size=4"])
+    main(
+        [
+            "rm",
+            "fit",
+            "--config",
+            str(CONFIGS / "rm_quickstart.yaml"),
+            *common(tiny_model_dir, rm),
+            f"--model.policy.init_adapter={sft / 'out'}",
+            "--data.train_size=8",
+            "--data.val_size=4",
+        ]
+    )
     assert (rm / "out" / "config.json").is_file() and (rm / "out" / "adapter" / "reward_head.safetensors").is_file()
-    rewards = [{"class_path": "lit_grpo.rewards.RewardModel",
-                "init_args": {"name_or_path": str(rm / "out"), "shared_base": True}},
-               {"class_path": "lit_grpo.rewards.Accuracy", "init_args": {"weight": 0.0}}]
-    main(["fit", "--config", str(CONFIGS / "grpo_rm.yaml"), *common(tiny_model_dir, grpo),
-          f"--model.policy.init_adapter={sft / 'out'}", f"--data.rewards={json.dumps(rewards)}",
-          "--trainer.max_epochs=1", "--trainer.callbacks=[]", "--model.validate_before_training=false",
-          "--data.train_size=20", "--data.val_size=4", "--data.val_slices={}", "--data.prompts_per_epoch=2",
-          "--data.batch_size=4", "--data.sampling.group_size=2", "--data.sampling.max_new_tokens=4",
-          "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.save_dir={grpo}"])
+    rewards = [
+        {
+            "class_path": "lit_grpo.rewards.RewardModel",
+            "init_args": {"name_or_path": str(rm / "out"), "shared_base": True},
+        },
+        {"class_path": "lit_grpo.rewards.Accuracy", "init_args": {"weight": 0.0}},
+    ]
+    main(
+        [
+            "fit",
+            "--config",
+            str(CONFIGS / "grpo_rm.yaml"),
+            *common(tiny_model_dir, grpo),
+            f"--model.policy.init_adapter={sft / 'out'}",
+            f"--data.rewards={json.dumps(rewards)}",
+            "--trainer.max_epochs=1",
+            "--trainer.callbacks=[]",
+            "--model.validate_before_training=false",
+            "--data.train_size=20",
+            "--data.val_size=4",
+            "--data.val_slices={}",
+            "--data.prompts_per_epoch=2",
+            "--data.batch_size=4",
+            "--data.sampling.group_size=2",
+            "--data.sampling.max_new_tokens=4",
+            "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+            f"--trainer.logger.save_dir={grpo}",
+        ]
+    )
     assert (grpo / "out" / "adapter_model.safetensors").is_file()
     (metrics,) = grpo.rglob("metrics.csv")
     header, *rows = [line.split(",") for line in metrics.read_text().splitlines()]

@@ -10,12 +10,12 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.algorithms.answers import BeforeAfterAnswers
+from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.cli import main
 from lit_grpo.data.grpo import OnPolicyDataModule
-from lit_grpo.generation.rollout import SamplingSpec
 from lit_grpo.evaluation.plots import BEFORE_TRAINING, PlotCallback, find_metrics, read_metrics
+from lit_grpo.generation.rollout import SamplingSpec
 from lit_grpo.model.policy import PolicySpec
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -26,17 +26,36 @@ def length_reward(prompts, completions, **columns):
 
 
 def build(tiny_model_dir):
-    module = GRPOModule(policy=PolicySpec(name_or_path=tiny_model_dir), progress=False,
-                        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
-    data = OnPolicyDataModule(prompts_per_epoch=2, batch_size=4, val_size=4, train_size=40, val_batch_size=4,
-                              sampling=SamplingSpec(group_size=4, max_new_tokens=6), rewards=[length_reward])
+    module = GRPOModule(
+        policy=PolicySpec(name_or_path=tiny_model_dir),
+        progress=False,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+    )
+    data = OnPolicyDataModule(
+        prompts_per_epoch=2,
+        batch_size=4,
+        val_size=4,
+        train_size=40,
+        val_batch_size=4,
+        sampling=SamplingSpec(group_size=4, max_new_tokens=6),
+        rewards=[length_reward],
+    )
     return module, data
 
 
 def fit_trainer(root, logger, callbacks, epochs=2):
-    return L.Trainer(max_epochs=epochs, reload_dataloaders_every_n_epochs=1, accelerator="cpu", logger=logger,
-                     callbacks=callbacks, enable_checkpointing=False, enable_progress_bar=False,
-                     enable_model_summary=False, default_root_dir=root, num_sanity_val_steps=0)
+    return L.Trainer(
+        max_epochs=epochs,
+        reload_dataloaders_every_n_epochs=1,
+        accelerator="cpu",
+        logger=logger,
+        callbacks=callbacks,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        num_sanity_val_steps=0,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +86,15 @@ def test_run_metrics_read_as_epoch_series(tiny_run):
     series = read_metrics(log_dir / "metrics.csv")
     # validation scored before training (no epoch column -> -1) and after each of the 2 epochs
     assert [epoch for epoch, _ in series["val/accuracy"]] == [BEFORE_TRAINING, 0, 1]
-    for name in ("reward/total", "reward/length_reward", "train/kl", "train/entropy", "train/loss_epoch",
-                 "completion/length_mean", "rollout/collapsed_fraction"):
+    for name in (
+        "reward/total",
+        "reward/length_reward",
+        "train/kl",
+        "train/entropy",
+        "train/loss_epoch",
+        "completion/length_mean",
+        "rollout/collapsed_fraction",
+    ):
         assert [epoch for epoch, _ in series[name]] == [0, 1], name
     assert not any(name.endswith("_step") for name in series)
 
@@ -76,17 +102,16 @@ def test_run_metrics_read_as_epoch_series(tiny_run):
 def test_sparse_rows_last_value_of_an_epoch_wins(tmp_path):
     (tmp_path / "metrics.csv").write_text(
         "epoch,step,reward/total,train/loss_step,val/accuracy\n"
-        ",0,,,0.25\n"       # logged before training
-        "0,0,,3.0,\n"       # a step-level column: skipped
+        ",0,,,0.25\n"  # logged before training
+        "0,0,,3.0,\n"  # a step-level column: skipped
         "0,1,0.5,,\n"
         "0,1,,,0.5\n"
         "1,3,0.75,,\n"
         "1,3,,,0.5\n"
-        "1,3,,,1.0\n"       # validated twice in epoch 1: the later value is kept
+        "1,3,,,1.0\n"  # validated twice in epoch 1: the later value is kept
     )
     series = read_metrics(tmp_path / "metrics.csv")
-    assert series == {"reward/total": [(0, 0.5), (1, 0.75)],
-                      "val/accuracy": [(-1, 0.25), (0, 0.5), (1, 1.0)]}
+    assert series == {"reward/total": [(0, 0.5), (1, 0.75)], "val/accuracy": [(-1, 0.25), (0, 0.5), (1, 1.0)]}
 
 
 def test_cli_plot_reads_the_newest_run(tiny_run, tmp_path, capsys):
@@ -141,4 +166,6 @@ def test_reward_panel_draws_raw_values_faintly_under_their_moving_average():
     ax = plot_panels(series, [PANELS["reward"]]).axes[0]
     raw, mean = ax.lines
     assert list(raw.get_ydata()) == [0, 1, 0, 1, 0, 1] and raw.get_alpha() == 0.3
-    assert list(mean.get_ydata()) == [0, 0.5, 1 / 3, 0.5, 0.4, 0.6] and mean.get_label() == "reward/total (5-epoch mean)"
+    assert (
+        list(mean.get_ydata()) == [0, 0.5, 1 / 3, 0.5, 0.4, 0.6] and mean.get_label() == "reward/total (5-epoch mean)"
+    )

@@ -15,8 +15,8 @@ from lit_grpo.algorithms.ppo import PPOModule
 from lit_grpo.data.grpo import OnPolicyDataModule
 from lit_grpo.generation.rollout import SamplingSpec
 from lit_grpo.model.logprob_passes import completion_hidden_states
-from lit_grpo.objectives import gae_advantages, ppo_token_rewards, whiten
 from lit_grpo.model.policy import LoraSpec, PolicySpec
+from lit_grpo.objectives import gae_advantages, ppo_token_rewards, whiten
 
 
 def constant_reward(prompts, completions, **columns):
@@ -29,18 +29,39 @@ def length_reward(prompts, completions, **columns):
 
 
 def make(tiny_model_dir, reward=constant_reward, group_size=1, lr=1e-2, policy=None, **model):
-    module = PPOModule(policy=policy or PolicySpec(name_or_path=tiny_model_dir), progress=False,
-                       validate_before_training=False, optimizer=lambda p: torch.optim.AdamW(p, lr=lr), **model)
-    data = OnPolicyDataModule(prompts_per_epoch=4, batch_size=4, num_iterations=2, val_size=4, train_size=40,
-                              val_batch_size=4, sampling=SamplingSpec(group_size=group_size, max_new_tokens=6),
-                              rewards=[reward])
+    module = PPOModule(
+        policy=policy or PolicySpec(name_or_path=tiny_model_dir),
+        progress=False,
+        validate_before_training=False,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=lr),
+        **model,
+    )
+    data = OnPolicyDataModule(
+        prompts_per_epoch=4,
+        batch_size=4,
+        num_iterations=2,
+        val_size=4,
+        train_size=40,
+        val_batch_size=4,
+        sampling=SamplingSpec(group_size=group_size, max_new_tokens=6),
+        rewards=[reward],
+    )
     return module, data
 
 
 def trainer(tmp_path, epochs, **kwargs):
-    options = dict(max_epochs=epochs, reload_dataloaders_every_n_epochs=1, accelerator="cpu", logger=False,
-                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                   default_root_dir=tmp_path, num_sanity_val_steps=0, limit_val_batches=0)
+    options = dict(
+        max_epochs=epochs,
+        reload_dataloaders_every_n_epochs=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     options.update(kwargs)
     return L.Trainer(**options)
 
@@ -85,7 +106,9 @@ class CriticBeforeFirstStep(L.Callback):
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
         if trainer.global_step == 0 and not hasattr(self, "values"):
-            self.values = module.rollout_values(trainer.datamodule.last_result.rows, trainer.datamodule.hparams.batch_size)
+            self.values = module.rollout_values(
+                trainer.datamodule.last_result.rows, trainer.datamodule.hparams.batch_size
+            )
 
 
 def test_stored_advantages_are_gae_of_the_stored_values(tmp_path, tiny_model_dir):
@@ -99,8 +122,9 @@ def test_stored_advantages_are_gae_of_the_stored_values(tmp_path, tiny_model_dir
     assert torch.equal(rows["values"], critic.values)  # the rollout-time critic's, 0 at padding
     assert torch.equal(rows["values"], rows["values"] * mask) and rows["values"].abs().sum() > 0
     # Recompute the per-token rewards, GAE and whitening from the rollout's rewards and stored rows.
-    texts = [module.tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
-             for ids, m in zip(rows["completion_ids"], mask)]
+    texts = [
+        module.tokenizer.decode(ids[m.bool()], skip_special_tokens=True) for ids, m in zip(rows["completion_ids"], mask)
+    ]
     rewards = torch.tensor(length_reward(None, texts))
     token_rewards = ppo_token_rewards(rewards, mask, rows["old_logprobs"], rows["ref_logprobs"], beta=0.1)
     expected = gae_advantages(token_rewards, rows["values"], mask, gamma=0.9, lam=0.8)
@@ -119,11 +143,14 @@ def separate_critic(tiny_model_dir, full: bool = False) -> PolicySpec:
     return PolicySpec(name_or_path=tiny_model_dir, lora=None if full else LoraSpec(r=4, alpha=8))
 
 
-@pytest.mark.parametrize("every, name, separate", [
-    ("every_n_epochs", "epoch=0-step=2", False),  # end of epoch 0
-    ("every_n_train_steps", "epoch=0-step=1", False),  # inside epoch 0
-    ("every_n_train_steps", "epoch=0-step=1", True),
-])
+@pytest.mark.parametrize(
+    "every, name, separate",
+    [
+        ("every_n_epochs", "epoch=0-step=2", False),  # end of epoch 0
+        ("every_n_train_steps", "epoch=0-step=1", False),  # inside epoch 0
+        ("every_n_train_steps", "epoch=0-step=1", True),
+    ],
+)
 def test_resume_is_exact(tmp_path, tiny_model_dir, every, name, separate):
     L.seed_everything(0)
     critic = separate_critic(tiny_model_dir) if separate else None
@@ -149,33 +176,70 @@ def test_group_size_one_is_accepted_for_ppo_and_refused_for_grpo(tmp_path, tiny_
     fit.fit(module, data)
     assert data.advantage_estimator == "gae" and fit.global_step == 2  # 4 rows / 4 per batch x 2 passes
     grpo = GRPOModule(policy=PolicySpec(name_or_path=tiny_model_dir), progress=False)
-    data = OnPolicyDataModule(prompts_per_epoch=4, batch_size=4, val_size=4, train_size=40,
-                              sampling=SamplingSpec(group_size=1, max_new_tokens=6), rewards=[constant_reward])
-    with pytest.raises(ValueError, match=r"sampling.group_size=1; expected >= 2 with "
-                                         r"data.advantage_estimator='grpo'"):
+    data = OnPolicyDataModule(
+        prompts_per_epoch=4,
+        batch_size=4,
+        val_size=4,
+        train_size=40,
+        sampling=SamplingSpec(group_size=1, max_new_tokens=6),
+        rewards=[constant_reward],
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"sampling.group_size=1; expected >= 2 with "
+        r"data.advantage_estimator='grpo'",
+    ):
         trainer(tmp_path, 1).fit(grpo, data)
 
 
 def test_estimator_the_module_cannot_train_with_is_refused(tmp_path, tiny_model_dir):
     module = GRPOModule(policy=PolicySpec(name_or_path=tiny_model_dir), progress=False)
-    data = OnPolicyDataModule(prompts_per_epoch=2, batch_size=4, val_size=4, train_size=40, advantage_estimator="gae",
-                              sampling=SamplingSpec(group_size=2, max_new_tokens=6), rewards=[constant_reward])
-    with pytest.raises(ValueError, match=r"data.advantage_estimator='gae'; GRPOModule trains with one of "
-                                         r"\['grpo', 'rloo', 'reinforce_pp'\]"):
+    data = OnPolicyDataModule(
+        prompts_per_epoch=2,
+        batch_size=4,
+        val_size=4,
+        train_size=40,
+        advantage_estimator="gae",
+        sampling=SamplingSpec(group_size=2, max_new_tokens=6),
+        rewards=[constant_reward],
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"data.advantage_estimator='gae'; GRPOModule trains with one of "
+        r"\['grpo', 'rloo', 'reinforce_pp'\]",
+    ):
         trainer(tmp_path, 1).fit(module, data)
 
 
 def test_rloo_estimator_trains_grpo_module(tmp_path, tiny_model_dir):
     L.seed_everything(0)
-    module = GRPOModule(policy=PolicySpec(name_or_path=tiny_model_dir), progress=False, beta=0.0,
-                        validate_before_training=False, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
-    data = OnPolicyDataModule(prompts_per_epoch=2, batch_size=4, val_size=4, train_size=40, advantage_estimator="rloo",
-                              sampling=SamplingSpec(group_size=4, max_new_tokens=6), rewards=[length_reward])
+    module = GRPOModule(
+        policy=PolicySpec(name_or_path=tiny_model_dir),
+        progress=False,
+        beta=0.0,
+        validate_before_training=False,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+    )
+    data = OnPolicyDataModule(
+        prompts_per_epoch=2,
+        batch_size=4,
+        val_size=4,
+        train_size=40,
+        advantage_estimator="rloo",
+        sampling=SamplingSpec(group_size=4, max_new_tokens=6),
+        rewards=[length_reward],
+    )
     trainer(tmp_path, 1).fit(module, data)
     rows = data.last_result.rows
     rewards = rows["advantages"].new_tensor(
-        length_reward(None, [module.tokenizer.decode(i[m.bool()], skip_special_tokens=True)
-                             for i, m in zip(rows["completion_ids"], rows["completion_mask"])]))
+        length_reward(
+            None,
+            [
+                module.tokenizer.decode(i[m.bool()], skip_special_tokens=True)
+                for i, m in zip(rows["completion_ids"], rows["completion_mask"])
+            ],
+        )
+    )
     group = rewards.view(-1, 4)
     expected = (group - (group.sum(-1, keepdim=True) - group) / 3).view(-1)  # r_i - mean of the other 3
     torch.testing.assert_close(rows["advantages"], expected)
@@ -202,8 +266,13 @@ def test_separate_critic_trains_and_its_value_loss_falls(tmp_path, tiny_model_di
 
 def test_fully_fine_tuned_actor_with_a_separate_critic(tmp_path, tiny_model_dir):
     L.seed_everything(0)
-    module, data = make(tiny_model_dir, reward=length_reward, kl_coef=0.05, critic=separate_critic(tiny_model_dir),
-                        policy=PolicySpec(name_or_path=tiny_model_dir, lora=None))
+    module, data = make(
+        tiny_model_dir,
+        reward=length_reward,
+        kl_coef=0.05,
+        critic=separate_critic(tiny_model_dir),
+        policy=PolicySpec(name_or_path=tiny_model_dir, lora=None),
+    )
     module.configure_model()
     reference = {n: p.detach().clone() for n, p in module.reference.named_parameters()}
     actor = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
@@ -219,8 +288,9 @@ def test_export_writes_the_critic_and_its_value_head_beside_the_actor(tmp_path, 
     from transformers import AutoModelForCausalLM
 
     L.seed_everything(0)
-    module, data = make(tiny_model_dir, reward=length_reward,
-                        critic=separate_critic(tiny_model_dir) if separate else None)
+    module, data = make(
+        tiny_model_dir, reward=length_reward, critic=separate_critic(tiny_model_dir) if separate else None
+    )
     trainer(tmp_path, 1).fit(module, data)
     path = module.export_adapter(tmp_path / "export")
     assert (path / "adapter_config.json").is_file() and (path / "tokenizer_config.json").is_file()  # the actor
@@ -242,9 +312,13 @@ def test_critic_with_another_vocabulary_and_shared_critic_without_lora_are_refus
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.add_tokens(["<an_extra_token>"])
     tokenizer.save_pretrained(tmp_path / "other")
-    with pytest.raises(ValueError, match=r"model.critic.name_or_path='.*other' has another tokenizer than "
-                                         r"model.policy.name_or_path="):
-        PPOModule(policy=PolicySpec(name_or_path=tiny_model_dir),
-                  critic=PolicySpec(name_or_path=str(tmp_path / "other")))
+    with pytest.raises(
+        ValueError,
+        match=r"model.critic.name_or_path='.*other' has another tokenizer than "
+        r"model.policy.name_or_path=",
+    ):
+        PPOModule(
+            policy=PolicySpec(name_or_path=tiny_model_dir), critic=PolicySpec(name_or_path=str(tmp_path / "other"))
+        )
     with pytest.raises(ValueError, match=r"needs model.policy.lora for its default critic"):
         PPOModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=None))

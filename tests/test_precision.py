@@ -8,12 +8,12 @@ import inspect
 import lightning as L
 import pytest
 import torch
+from test_module import make, trainer
 
 from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.model.logprob_passes import completion_logprobs
 from lit_grpo.model.policy import PolicySpec, build_policy
 from lit_grpo.objectives import bradley_terry_loss, dpo_loss, ppo_loss, sft_loss
-from test_module import make, trainer
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
@@ -36,8 +36,12 @@ def test_plain_trainer_trains_and_validates_at_bf16(tmp_path, tiny_model_dir, pr
 
 def _bf16_module(tiny_model_dir):
     _, data = make(tiny_model_dir)
-    module = GRPOModule(policy=PolicySpec(name_or_path=tiny_model_dir, dtype="bfloat16"), beta=0.04, progress=False,
-                        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+    module = GRPOModule(
+        policy=PolicySpec(name_or_path=tiny_model_dir, dtype="bfloat16"),
+        beta=0.04,
+        progress=False,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+    )
     return module, data
 
 
@@ -51,8 +55,9 @@ def test_a_bf16_policy_keeps_its_adapter_optimizer_state_and_log_probs_in_fp32(t
     state = fit.optimizers[0].state
     assert state and {s["exp_avg"].dtype for s in state.values()} == {torch.float32}
     ids = torch.randint(0, 100, (2, 5))
-    logprobs, entropy = completion_logprobs(module.policy, ids, torch.ones_like(ids), ids, torch.ones_like(ids),
-                                            temperature=1.0, with_entropy=True)
+    logprobs, entropy = completion_logprobs(
+        module.policy, ids, torch.ones_like(ids), ids, torch.ones_like(ids), temperature=1.0, with_entropy=True
+    )
     assert logprobs.dtype == entropy.dtype == torch.float32
 
 
@@ -80,7 +85,9 @@ def _fp32_and_bf16_policies(folder, lora=True):
     return full, half
 
 
-@pytest.mark.parametrize("lora, temperature", [(True, 1.0), (True, 0.7), (False, 1.0)], ids=["lora", "lora-T0.7", "full"])
+@pytest.mark.parametrize(
+    "lora, temperature", [(True, 1.0), (True, 0.7), (False, 1.0)], ids=["lora", "lora-T0.7", "full"]
+)
 def test_a_bf16_policy_runs_bf16_mixed_arithmetic_on_its_bf16_weights(tiny_model_dir, lora, temperature):
     # bf16 weights used to mean a bf16 residual stream too, which learnt below fp32; bf16-mixed's
     # arithmetic (fp32 stream, bf16 matmuls) learnt within it. The bf16 policy must now compute
@@ -95,7 +102,10 @@ def test_a_bf16_policy_runs_bf16_mixed_arithmetic_on_its_bf16_weights(tiny_model
     inner = half.get_base_model() if lora else half
     inner.model.layers[1].register_forward_pre_hook(lambda m, args: layer_inputs.append(args[0].dtype))
     generator = torch.Generator().manual_seed(0)
-    prompts, completions = torch.randint(0, 300, (4, 6), generator=generator), torch.randint(0, 300, (4, 9), generator=generator)
+    prompts, completions = (
+        torch.randint(0, 300, (4, 6), generator=generator),
+        torch.randint(0, 300, (4, 9), generator=generator),
+    )
     for prompt_ids in (prompts, prompts[:2].repeat(2, 1)):  # one full pass; rows sharing a prompt
         args = (prompt_ids, torch.ones_like(prompt_ids), completions, torch.ones_like(completions))
         ours, _ = completion_logprobs(half, *args, temperature=temperature)
@@ -141,8 +151,11 @@ def _bf16(*shape, seed=0):
 
 
 LOSSES = {  # each loss on bf16 inputs, and the same values as fp32 tensors
-    "ppo_loss": lambda cast: ppo_loss(*(cast(_bf16(3, 4, seed=i) - 1) for i in range(3)), torch.ones(3, 4),
-                                      *(cast(_bf16(3, 4, seed=i)) for i in range(3, 6))),
+    "ppo_loss": lambda cast: ppo_loss(
+        *(cast(_bf16(3, 4, seed=i) - 1) for i in range(3)),
+        torch.ones(3, 4),
+        *(cast(_bf16(3, 4, seed=i)) for i in range(3, 6)),
+    ),
     "dpo_loss": lambda cast: dpo_loss(*(cast(_bf16(4, seed=i) * 20 - 60) for i in range(4)), beta=0.1),
     "sft_loss": lambda cast: sft_loss(cast(_bf16(3, 4) - 2), torch.ones(3, 4)),
     "bradley_terry_loss": lambda cast: bradley_terry_loss(cast(_bf16(4) * 8), cast(_bf16(4, seed=1) * 8)),

@@ -19,7 +19,6 @@ import sys
 
 import torch
 from safetensors.torch import load_file
-
 from test_chaos import fit_command, run
 
 
@@ -33,9 +32,18 @@ def preemptible_command(model_dir: str, root, *extra: str) -> list[str]:
 
 
 def struck(model_dir: str, root, phase: str, epoch: int, index: int, strike: str = "SIGTERM") -> str:
-    result = run(preemptible_command(model_dir, root, "--ckpt_path=last", "--trainer.callbacks+=chaos.Chaos",
-                                     f"--trainer.callbacks.phase={phase}", f"--trainer.callbacks.epoch={epoch}",
-                                     f"--trainer.callbacks.index={index}", f"--trainer.callbacks.strike={strike}"))
+    result = run(
+        preemptible_command(
+            model_dir,
+            root,
+            "--ckpt_path=last",
+            "--trainer.callbacks+=chaos.Chaos",
+            f"--trainer.callbacks.phase={phase}",
+            f"--trainer.callbacks.epoch={epoch}",
+            f"--trainer.callbacks.index={index}",
+            f"--trainer.callbacks.strike={strike}",
+        )
+    )
     assert result.returncode == 128 + getattr(signal, strike), f"{phase} {epoch} {index}:\n{result.stderr[-3000:]}"
     return result.stderr.strip().splitlines()[-1]
 
@@ -67,8 +75,9 @@ def test_sigterm_and_sigint_save_and_the_resumed_run_ends_on_the_straight_runs_a
 
 
 def test_an_epoch_is_saved_when_validation_runs_every_5_epochs(tmp_path, tiny_model_dir):
-    result = run(preemptible_command(tiny_model_dir, tmp_path, "--trainer.max_epochs=1",
-                                     "--trainer.check_val_every_n_epoch=5"))
+    result = run(
+        preemptible_command(tiny_model_dir, tmp_path, "--trainer.max_epochs=1", "--trainer.check_val_every_n_epoch=5")
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     checkpoint = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
     assert checkpoint["epoch"] == 0 and checkpoint["global_step"] == 2
@@ -111,18 +120,34 @@ def test_a_plain_trainer_stops_on_sigterm_with_a_checkpoint_and_exit_code_143(tm
     assert "fit returned" not in result.stdout
     last = result.stderr.strip().splitlines()[-1]
     path = tmp_path / "checkpoints" / "last.ckpt"
-    assert last == (f"lit-grpo: stopped by SIGTERM at step 2 (epoch 0); checkpoint saved to {path}. "
-                    f"Resume with: trainer.fit(..., ckpt_path={str(path)!r})"), last
+    assert last == (
+        f"lit-grpo: stopped by SIGTERM at step 2 (epoch 0); checkpoint saved to {path}. "
+        f"Resume with: trainer.fit(..., ckpt_path={str(path)!r})"
+    ), last
     assert torch.load(path, weights_only=False)["global_step"] == 2
 
 
 def test_lightnings_slurm_requeue_signal_still_saves_its_checkpoint_beside_ours(tmp_path, tiny_model_dir):
     # Under SLURM with auto_requeue, SIGUSR1 is Lightning's: it saves hpc_ckpt_1.ckpt and asks scontrol to
     # requeue (absent here: it warns); the SIGTERM that follows a requeue is ours: last.ckpt, exit 143.
-    env = {**os.environ, "SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "42", "SLURM_PROCID": "0",
-           "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost", "PATH": os.environ["PATH"]}
-    result = plain_trainer_run(tiny_model_dir, tmp_path, '{1: "SIGUSR1", 2: "SIGTERM"}',
-                               plugins="[SLURMEnvironment(auto_requeue=True)]", env=env)
+    env = {
+        **os.environ,
+        "SLURM_NTASKS": "1",
+        "SLURM_JOB_NAME": "train",
+        "SLURM_JOB_ID": "42",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+        "SLURM_NODELIST": "localhost",
+        "PATH": os.environ["PATH"],
+    }
+    result = plain_trainer_run(
+        tiny_model_dir,
+        tmp_path,
+        '{1: "SIGUSR1", 2: "SIGTERM"}',
+        plugins="[SLURMEnvironment(auto_requeue=True)]",
+        env=env,
+    )
     assert result.returncode == 143, result.stderr[-3000:]
     assert torch.load(tmp_path / "hpc_ckpt_1.ckpt", weights_only=False)["global_step"] == 1
     assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 3

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_grpo.objectives import grpo_loss
 from lit_grpo.model.logprob_passes import completion_logprobs
 from lit_grpo.model.policy import LoraSpec, PolicySpec, build_policy, load_base_model
+from lit_grpo.objectives import grpo_loss
 
 
 def _bitsandbytes_4bit_works() -> bool:
@@ -47,8 +47,12 @@ def _batch(seed: int = 0):
     generator = torch.Generator().manual_seed(seed)
     prompt_ids = torch.randint(10, 200, (4, 5), generator=generator)  # [N, P]
     completion_ids = torch.randint(10, 200, (4, 6), generator=generator)  # [N, C]
-    return {"prompt_ids": prompt_ids, "prompt_mask": torch.ones_like(prompt_ids),
-            "completion_ids": completion_ids, "completion_mask": torch.ones_like(completion_ids)}
+    return {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": torch.ones_like(prompt_ids),
+        "completion_ids": completion_ids,
+        "completion_mask": torch.ones_like(completion_ids),
+    }
 
 
 def _logprobs(model, batch) -> torch.Tensor:
@@ -94,7 +98,9 @@ def test_a_4bit_reward_model_exports_adapter_and_head_only_and_says_so(model_dir
     from lit_grpo.algorithms.reward_model import RewardModelModule
     from lit_grpo.rewards.reward_model import ADAPTER_DIR, HEAD_FILE
 
-    module = RewardModelModule(policy=PolicySpec(name_or_path=model_dir, load_in_4bit=True, lora=LoraSpec(r=4, alpha=8)))
+    module = RewardModelModule(
+        policy=PolicySpec(name_or_path=model_dir, load_in_4bit=True, lora=LoraSpec(r=4, alpha=8))
+    )
     module.configure_model()
     with pytest.warns(UserWarning, match=r"needs unquantized weights \(these are 4-bit\), so only adapter/ is written"):
         module.export_adapter(tmp_path / "rm")

@@ -11,13 +11,25 @@ from lit_grpo.data.tasks import reasoning_gym  # noqa: E402
 from lit_grpo.rewards import ReasoningGym  # noqa: E402
 from lit_grpo.rewards.reasoning_gym import extract_answer  # noqa: E402
 
-SUMS = {"name": "basic_arithmetic", "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2,
-        "operators": ["+"], "allow_parentheses": False, "allow_negation": False}
+SUMS = {
+    "name": "basic_arithmetic",
+    "min_terms": 2,
+    "max_terms": 2,
+    "min_digits": 1,
+    "max_digits": 2,
+    "operators": ["+"],
+    "allow_parentheses": False,
+    "allow_negation": False,
+}
 
 
 def score(rows, completions):
-    return ReasoningGym()([r["prompt"] for r in rows], completions, answer=[r["answer"] for r in rows],
-                          metadata=[r["metadata"] for r in rows])
+    return ReasoningGym()(
+        [r["prompt"] for r in rows],
+        completions,
+        answer=[r["answer"] for r in rows],
+        metadata=[r["metadata"] for r in rows],
+    )
 
 
 def test_a_right_answer_scores_1_and_a_wrong_one_0_by_the_tasks_own_scorer():
@@ -37,8 +49,11 @@ def test_the_answer_is_read_from_closed_and_open_tags_or_the_last_line():
 
 
 def test_an_unknown_task_names_the_close_ones_and_refused_options_name_ours():
-    with pytest.raises(ValueError, match=r"data.task_args.name='chain_summ' is not a reasoning-gym task; close "
-                                         r"ones: \['chain_sum', 'decimal_chain_sum'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"data.task_args.name='chain_summ' is not a reasoning-gym task; close "
+        r"ones: \['chain_sum', 'decimal_chain_sum'\]",
+    ):
         reasoning_gym(4, seed=0, name="chain_summ")
     with pytest.raises(ValueError, match=r"data.task_args.size=9: reasoning-gym's size is data.train_size here"):
         reasoning_gym(4, seed=0, name="chain_sum", size=9)
@@ -52,15 +67,35 @@ def test_it_trains_with_held_out_slices_of_another_difficulty(tmp_path, tiny_mod
 
     from lit_grpo import GRPOModule
 
-    data = OnPolicyDataModule(source="reasoning_gym", task_args=SUMS, train_size=40, val_size=4,
-                              val_slices={"3 digits": {"min_digits": 3, "max_digits": 3}}, prompts_per_epoch=2,
-                              batch_size=8, rewards=[ReasoningGym()], val_reward=ReasoningGym(),
-                              completion_prefix="<answer>", sampling=SamplingSpec(group_size=4, max_new_tokens=6))
-    module = GRPOModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8)), progress=False,
-                        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
-    trainer = L.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        reload_dataloaders_every_n_epochs=1, default_root_dir=tmp_path)
+    data = OnPolicyDataModule(
+        source="reasoning_gym",
+        task_args=SUMS,
+        train_size=40,
+        val_size=4,
+        val_slices={"3 digits": {"min_digits": 3, "max_digits": 3}},
+        prompts_per_epoch=2,
+        batch_size=8,
+        rewards=[ReasoningGym()],
+        val_reward=ReasoningGym(),
+        completion_prefix="<answer>",
+        sampling=SamplingSpec(group_size=4, max_new_tokens=6),
+    )
+    module = GRPOModule(
+        policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8)),
+        progress=False,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        reload_dataloaders_every_n_epochs=1,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(module, data)
     assert {"val/accuracy", "val/3 digits/accuracy", "reward/reasoning_gym"} <= set(trainer.callback_metrics)
     assert all(len(str(int(r["answer"]))) >= 3 for r in data.val_slices["3 digits"])

@@ -12,8 +12,8 @@ import torch
 from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.data.grpo import OnPolicyDataModule
 from lit_grpo.generation.rollout import SamplingSpec
-from lit_grpo.objectives import grpo_loss, reinforce_pp_advantages
 from lit_grpo.model.policy import PolicySpec
+from lit_grpo.objectives import grpo_loss, reinforce_pp_advantages
 
 
 # ------------------------------------------------------------------ grpo_loss on [N, T] advantages
@@ -36,15 +36,21 @@ def test_constant_token_advantages_equal_sequence_advantages(loss_type, importan
     old, ref = logprobs.detach() + 0.3 * torch.randn(4, 5), torch.randn(4, 5)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]])
     advantages = torch.tensor([0.5, -1.0, 2.0, 0.7])
-    options = dict(ref_logprobs=ref, beta=0.04, loss_type=loss_type, importance_level=importance_level,
-                   max_completion_length=5, num_items=7)
+    options = dict(
+        ref_logprobs=ref,
+        beta=0.04,
+        loss_type=loss_type,
+        importance_level=importance_level,
+        max_completion_length=5,
+        num_items=7,
+    )
     sequence = grpo_loss(logprobs, old, advantages, mask, **options)
     token = grpo_loss(logprobs, old, advantages[:, None].expand(4, 5), mask, **options)
     torch.testing.assert_close(token.loss, sequence.loss)
     for name in sequence.metrics:
         torch.testing.assert_close(token.metrics[name], sequence.metrics[name])
-    grad_token, = torch.autograd.grad(token.loss, logprobs)
-    grad_sequence, = torch.autograd.grad(sequence.loss, logprobs)
+    (grad_token,) = torch.autograd.grad(token.loss, logprobs)
+    (grad_sequence,) = torch.autograd.grad(sequence.loss, logprobs)
     torch.testing.assert_close(grad_token, grad_sequence)
 
 
@@ -60,24 +66,46 @@ def length_reward(prompts, completions, **columns):
 
 
 def fit(tmp_path, tiny_model_dir, beta, group_size, epochs=1, callbacks=()):
-    module = GRPOModule(policy=PolicySpec(name_or_path=tiny_model_dir), progress=False, beta=beta,
-                        validate_before_training=False, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
-    data = OnPolicyDataModule(prompts_per_epoch=4, batch_size=4, val_size=4, train_size=40,
-                              advantage_estimator="reinforce_pp", rewards=[length_reward],
-                              sampling=SamplingSpec(group_size=group_size, max_new_tokens=6))
+    module = GRPOModule(
+        policy=PolicySpec(name_or_path=tiny_model_dir),
+        progress=False,
+        beta=beta,
+        validate_before_training=False,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+    )
+    data = OnPolicyDataModule(
+        prompts_per_epoch=4,
+        batch_size=4,
+        val_size=4,
+        train_size=40,
+        advantage_estimator="reinforce_pp",
+        rewards=[length_reward],
+        sampling=SamplingSpec(group_size=group_size, max_new_tokens=6),
+    )
     module.configure_model()
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
-    L.Trainer(max_epochs=epochs, reload_dataloaders_every_n_epochs=1, accelerator="cpu", logger=False,
-              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-              default_root_dir=tmp_path, num_sanity_val_steps=0, limit_val_batches=0,
-              callbacks=list(callbacks)).fit(module, data)
+    L.Trainer(
+        max_epochs=epochs,
+        reload_dataloaders_every_n_epochs=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=list(callbacks),
+    ).fit(module, data)
     changed = {n for n, p in module.named_parameters() if not torch.equal(before[n], p)}
     return module, data, changed
 
 
 def rollout_rewards(module, rows) -> torch.Tensor:
-    texts = [module.tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
-             for ids, m in zip(rows["completion_ids"], rows["completion_mask"])]
+    texts = [
+        module.tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
+        for ids, m in zip(rows["completion_ids"], rows["completion_mask"])
+    ]
     return torch.tensor(length_reward(None, texts))
 
 
@@ -107,11 +135,13 @@ def test_kl_goes_into_the_rewards_and_the_policy_trains(tmp_path, tiny_model_dir
     rows = data.last_result.rows
     mask = rows["completion_mask"]
     # The rollout stored the log-probs its per-token rewards read: pi_old and the reference's.
-    expected = reinforce_pp_advantages(rollout_rewards(module, rows), mask, rows["old_logprobs"],
-                                       rows["ref_logprobs"], beta=0.1)
+    expected = reinforce_pp_advantages(
+        rollout_rewards(module, rows), mask, rows["old_logprobs"], rows["ref_logprobs"], beta=0.1
+    )
     torch.testing.assert_close(rows["advantages"], expected.advantages)
-    assert not torch.equal(expected.advantages,
-                           reinforce_pp_advantages(rollout_rewards(module, rows), mask).advantages)  # the KL counts
+    assert not torch.equal(
+        expected.advantages, reinforce_pp_advantages(rollout_rewards(module, rows), mask).advantages
+    )  # the KL counts
     assert any(".lora_B." in name for name in changed)
     metrics = module.trainer.callback_metrics
     assert torch.isfinite(metrics["train/loss"])

@@ -22,7 +22,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-
 # The tiny random model never answers the arithmetic right, so accuracy would be 0
 # everywhere, every advantage 0, and the adapter would never move: an exactness
 # test that could not fail. This reward differs between random completions.
@@ -33,18 +32,35 @@ def letter_share(prompts, completions, **columns):
 
 
 def fit_command(model_dir: str, root: Path, *extra: str) -> list[str]:
-    reward = '[{"class_path": "lit_grpo.rewards.FromCallable", "init_args": {"function": "resume_reward.letter_share"}}]'
+    reward = (
+        '[{"class_path": "lit_grpo.rewards.FromCallable", "init_args": {"function": "resume_reward.letter_share"}}]'
+    )
     return [
-        sys.executable, "-m", "lit_grpo.cli", "fit",
+        sys.executable,
+        "-m",
+        "lit_grpo.cli",
+        "fit",
         "--seed_everything=0",
-        "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.max_epochs=3",
-        "--trainer.logger=false", "--trainer.enable_progress_bar=false",
-        "--trainer.enable_model_summary=false", "--trainer.num_sanity_val_steps=0",
+        "--trainer.accelerator=cpu",
+        "--trainer.devices=1",
+        "--trainer.max_epochs=3",
+        "--trainer.logger=false",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        "--trainer.num_sanity_val_steps=0",
         f"--trainer.default_root_dir={root}",
-        f"--model.policy.name_or_path={model_dir}", "--model.policy.lora.r=4", "--model.progress=false",
-        "--data.train_size=40", "--data.val_size=4", "--data.prompts_per_epoch=2",
-        "--data.batch_size=4", "--data.sampling.group_size=4", "--data.sampling.max_new_tokens=8",
-        f"--data.rewards={reward}", "--model.optimizer=torch.optim.AdamW", "--model.optimizer.lr=0.01",
+        f"--model.policy.name_or_path={model_dir}",
+        "--model.policy.lora.r=4",
+        "--model.progress=false",
+        "--data.train_size=40",
+        "--data.val_size=4",
+        "--data.prompts_per_epoch=2",
+        "--data.batch_size=4",
+        "--data.sampling.group_size=4",
+        "--data.sampling.max_new_tokens=8",
+        f"--data.rewards={reward}",
+        "--model.optimizer=torch.optim.AdamW",
+        "--model.optimizer.lr=0.01",
         f"--export_adapter={root / 'adapter'}",
         *extra,
     ]
@@ -66,10 +82,12 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path, tiny_model_dir):
     (tmp_path / "resume_reward.py").write_text(_REWARD)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(tmp_path)}
     straight_dir, killed_dir = tmp_path / "straight", tmp_path / "killed"
-    straight = subprocess.Popen(fit_command(tiny_model_dir, straight_dir), env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    killed = subprocess.Popen(fit_command(tiny_model_dir, killed_dir), env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    straight = subprocess.Popen(
+        fit_command(tiny_model_dir, straight_dir), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    killed = subprocess.Popen(
+        fit_command(tiny_model_dir, killed_dir), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         wait_for(killed_dir / "checkpoints" / "last.ckpt", killed)
         os.kill(killed.pid, signal.SIGKILL)
@@ -81,8 +99,13 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path, tiny_model_dir):
     assert checkpoints == ["epoch=0-step=2.ckpt", "last.ckpt"]  # killed inside epoch 1
     assert not (killed_dir / "adapter").exists()
 
-    resumed = subprocess.run(fit_command(tiny_model_dir, killed_dir, "--ckpt_path=last"), env=env,
-                             capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(
+        fit_command(tiny_model_dir, killed_dir, "--ckpt_path=last"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Restoring states from the checkpoint path" in resumed.stderr + resumed.stdout
     _, straight_log = straight.communicate(timeout=600)
@@ -109,22 +132,36 @@ def _dataset_run(kind: str, model_dir: str, root: Path, ckpt_path: Path | None =
     from lit_grpo.data.sft import SFTDataModule
     from lit_grpo.model.policy import LoraSpec, PolicySpec
 
-    module_class, data_class = {"sft": (SFTModule, SFTDataModule), "rm": (RewardModelModule, RewardDataModule),
-                                "rm-until": (RewardModelModule, RewardDataModule),
-                                "dpo": (DPOModule, PreferenceDataModule)}[kind]
+    module_class, data_class = {
+        "sft": (SFTModule, SFTDataModule),
+        "rm": (RewardModelModule, RewardDataModule),
+        "rm-until": (RewardModelModule, RewardDataModule),
+        "dpo": (DPOModule, PreferenceDataModule),
+    }[kind]
     policy = PolicySpec(name_or_path=model_dir, lora=LoraSpec(r=4, alpha=8, dropout=0.1))  # dropout draws the RNG
     options, data_options = {}, {"train_size": 12}
     if kind == "rm-until":  # a stage that ends on its accuracy, and the suffix loss from the next one
         options = {"suffix_weight": 1.0, "suffix_stages": [1]}
-        data_options = {"train_size": 24, "curriculum": [
-            {"share": 0.5, "task_args": {"slips": ["off_by_1"]}, "until": {"accuracy": 0.5, "pairs": 8}}, {}]}
-    module = module_class(policy=policy, progress=False, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
-                          **options)
+        data_options = {
+            "train_size": 24,
+            "curriculum": [
+                {"share": 0.5, "task_args": {"slips": ["off_by_1"]}, "until": {"accuracy": 0.5, "pairs": 8}},
+                {},
+            ],
+        }
+    module = module_class(policy=policy, progress=False, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), **options)
     data = data_class(val_size=4, batch_size=4, **data_options)
     checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=1, save_top_k=-1)
-    trainer = L.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                        callbacks=[checkpoints] if ckpt_path is None else [])
+    trainer = L.Trainer(
+        max_epochs=2,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[checkpoints] if ckpt_path is None else [],
+    )
     trainer.fit(module, data, ckpt_path=ckpt_path)
     weights = {k: v.detach().clone() for k, v in module.state_dict().items()}
     return weights, dict(data.curriculum.ends) if data.curriculum else {}
@@ -142,8 +179,9 @@ def test_dataset_runs_resume_exactly_from_inside_an_epoch(tmp_path, tiny_model_d
     steps = (1, 7, 8, 10) if kind == "rm-until" else (1, 5)
     for name in (f"epoch=0-step={steps[0]}", *(f"epoch=1-step={s}" for s in steps[1:])):
         L.seed_everything(123)  # the resumed run must not depend on the global RNG it starts with
-        resumed, resumed_ends = _dataset_run(kind, tiny_model_dir, tmp_path / "unused",
-                                             tmp_path / "ckpt" / f"{name}.ckpt")
+        resumed, resumed_ends = _dataset_run(
+            kind, tiny_model_dir, tmp_path / "unused", tmp_path / "ckpt" / f"{name}.ckpt"
+        )
         assert straight.keys() == resumed.keys() and resumed_ends == ends
         for key in straight:
             assert torch.equal(straight[key], resumed[key]), (name, key)

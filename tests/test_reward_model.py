@@ -16,15 +16,21 @@ from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.algorithms.reward_model import RewardModelModule, pair_loss, pair_scores, suffix_scores
 from lit_grpo.data.preferences import PreferenceDataModule
 from lit_grpo.data.reward_pairs import RewardDataModule
-from lit_grpo.objectives import bradley_terry_loss
 from lit_grpo.model.policy import LoraSpec, PolicySpec
+from lit_grpo.objectives import bradley_terry_loss
 from lit_grpo.rewards import Accuracy, RewardCombiner, RewardModel
 from lit_grpo.rewards.reward_model import backbone_scores, encode_conversations, last_token_index
 
 
 def trainer(**kwargs) -> L.Trainer:
-    options = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                   enable_model_summary=False, num_sanity_val_steps=0)
+    options = dict(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     return L.Trainer(**{**options, **kwargs})
 
 
@@ -52,8 +58,11 @@ def test_last_token_index_is_transformers_rule():
 
 PAIR_BATCHES = {
     # the batch shares the system prompt; each pair also the rest of its prompt and reply's start
-    "prompts differ": [("What is 12 + 30?", "12 + 30 = 42", "12 + 30 = 43"), ("What is 7 + 8?", "15", "155"),
-                       ("Hi there, how are you today?", "Fine, thanks.", "No")],
+    "prompts differ": [
+        ("What is 12 + 30?", "12 + 30 = 42", "12 + 30 = 43"),
+        ("What is 7 + 8?", "15", "155"),
+        ("Hi there, how are you today?", "Fine, thanks.", "No"),
+    ],
     # one prompt: the first pair shares no more than the whole batch does, the second a reply's start too
     "one prompt": [("What is 7 + 8?", "15", "fifteen"), ("What is 7 + 8?", "7 + 8 = 15", "7 + 8 = 16")],
     "one pair": [("What is 7 + 8?", "7 + 8 = 15", "7 + 8 = 16")],
@@ -83,8 +92,9 @@ def test_pair_scores_equal_a_full_pass_per_row_with_their_gradients(tiny_model_d
     # one-pass rule the export and RewardModel use; replies of other lengths, one a prefix of the other.
     # A checkpointed model (whose layers would drop the prefix cache) takes the full pass.
     torch.manual_seed(0)
-    module = RewardModelModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8),
-                                                 gradient_checkpointing=checkpointed))
+    module = RewardModelModule(
+        policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8), gradient_checkpointing=checkpointed)
+    )
     module.configure_model()
     for p in module.trainable_parameters():  # a non-zero adapter, so that its gradients are not trivial
         p.data.normal_(0, 0.05)
@@ -106,10 +116,12 @@ def test_pair_scores_equal_a_full_pass_per_row_with_their_gradients(tiny_model_d
 @pytest.mark.parametrize("checkpointed", [False, True])
 @pytest.mark.parametrize("batch", sorted(PAIR_BATCHES))
 def test_suffix_scores_are_the_heads_scores_of_a_full_pass_from_each_pairs_first_difference(
-        tiny_model_dir, checkpointed, batch):
+    tiny_model_dir, checkpointed, batch
+):
     torch.manual_seed(0)
-    module = RewardModelModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8),
-                                                 gradient_checkpointing=checkpointed))
+    module = RewardModelModule(
+        policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8), gradient_checkpointing=checkpointed)
+    )
     module.configure_model()
     for p in module.trainable_parameters():
         p.data.normal_(0, 0.05)
@@ -133,16 +145,18 @@ def test_pair_loss_adds_the_loss_of_every_token_both_replies_have_against_a_naiv
     every = torch.randn(4, 5, generator=generator) * 2  # B = 2 pairs, chosen rows first
     lengths = torch.tensor([3, 2, 5, 4])  # pair 0: 3 and 5 tokens from the first difference, pair 1: 2 and 4
     last = [every[i, n - 1].item() for i, n in enumerate(lengths.tolist())]
-    pairs = [(every[0, k].item(), every[2, k].item()) for k in range(3)] + [(every[1, k].item(), every[3, k].item())
-                                                                           for k in range(2)]
+    pairs = [(every[0, k].item(), every[2, k].item()) for k in range(3)] + [
+        (every[1, k].item(), every[3, k].item()) for k in range(2)
+    ]
     naive_last = sum(math.log(1 + math.exp(-(c - r))) for c, r in zip(last[:2], last[2:])) / 2
     naive_tokens = sum(math.log(1 + math.exp(-(c - r))) for c, r in pairs) / len(pairs)
     torch.testing.assert_close(pair_loss(every, lengths).loss, torch.tensor(naive_last))
     out = pair_loss(every, lengths, suffix_weight=0.5)
     torch.testing.assert_close(out.loss, torch.tensor(naive_last + 0.5 * naive_tokens))
     torch.testing.assert_close(out.metrics["suffix_accuracy"], torch.tensor(sum(c > r for c, r in pairs) / len(pairs)))
-    torch.testing.assert_close(out.metrics["accuracy"], torch.tensor(float(last[0] > last[2]) / 2
-                                                                    + float(last[1] > last[3]) / 2))
+    torch.testing.assert_close(
+        out.metrics["accuracy"], torch.tensor(float(last[0] > last[2]) / 2 + float(last[1] > last[3]) / 2)
+    )
     with pytest.raises(ValueError, match=r"model.suffix_weight=-1.0; expected a weight >= 0"):
         RewardModelModule(suffix_weight=-1.0)
 
@@ -161,8 +175,11 @@ def test_equal_chosen_and_rejected_is_named(tmp_path):
 def trained_rm(tmp_path_factory, tiny_model_dir):
     """A LoRA reward model trained a few steps on the tiny model and exported."""
     L.seed_everything(0)
-    module = RewardModelModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8)),
-                               optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), progress=False)
+    module = RewardModelModule(
+        policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8)),
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+        progress=False,
+    )
     data = RewardDataModule(train_size=8, val_size=8, batch_size=4, val_batch_size=8)
     trainer(max_epochs=2).fit(module, data)
     folder = tmp_path_factory.mktemp("rm") / "export"
@@ -171,9 +188,12 @@ def trained_rm(tmp_path_factory, tiny_model_dir):
 
 
 def test_head_lr_is_a_parameter_group_of_its_own_that_a_scheduler_keeps_in_ratio(tiny_model_dir):
-    module = RewardModelModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8)),
-                               optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4), head_lr=1e-3,
-                               scheduler=lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=10))
+    module = RewardModelModule(
+        policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8)),
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4),
+        head_lr=1e-3,
+        scheduler=lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=10),
+    )
     module.configure_model()
     configured = module.configure_optimizers()
     optimizer, scheduler = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
@@ -194,8 +214,11 @@ def test_head_lr_is_a_parameter_group_of_its_own_that_a_scheduler_keeps_in_ratio
 def test_full_fine_tuned_reward_model_learns_the_pairs(tiny_model_dir):
     # 8 pairs seen 30 times over, validated on the same 8: every pair must end up ranked right.
     L.seed_everything(0)
-    module = RewardModelModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=None), progress=False,
-                               optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
+    module = RewardModelModule(
+        policy=PolicySpec(name_or_path=tiny_model_dir, lora=None),
+        progress=False,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
+    )
     data = RewardDataModule(train_size=8, val_split="train", val_size=8, batch_size=4, val_batch_size=8)
     fit = trainer(max_epochs=30, check_val_every_n_epoch=100)
     (before,) = fit.validate(module, data, verbose=False)
@@ -220,7 +243,9 @@ def test_export_is_a_sequence_classifier_scoring_as_trained(trained_rm):
     assert ours.abs().max() > 0 and (ours - ours.mean()).abs().max() > 1e-4  # not a constant
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(scored, ours, rtol=1e-5, atol=1e-5)
-    assert (folder / "adapter" / "adapter_config.json").is_file() and (folder / "adapter" / "reward_head.safetensors").is_file()
+    assert (folder / "adapter" / "adapter_config.json").is_file() and (
+        folder / "adapter" / "reward_head.safetensors"
+    ).is_file()
 
 
 def test_shared_base_scores_as_a_separate_copy_and_leaves_the_policy_alone(trained_rm, tiny_model_dir):
@@ -239,8 +264,9 @@ def test_shared_base_scores_as_a_separate_copy_and_leaves_the_policy_alone(train
     separate.bind(module)
     prompts = [r["prompt"] for r in data.val_rows]
     replies = [r["chosen"] for r in data.val_rows]
-    torch.testing.assert_close(torch.tensor(shared(prompts, replies)), torch.tensor(separate(prompts, replies)),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        torch.tensor(shared(prompts, replies)), torch.tensor(separate(prompts, replies)), rtol=1e-5, atol=1e-5
+    )
     after = module.policy.state_dict()
     assert all(torch.equal(v, after[k]) for k, v in before.items())  # base and actor adapter untouched
     assert {n: p.requires_grad for n, p in module.policy.named_parameters() if n in flags} == flags
@@ -267,8 +293,10 @@ def test_two_reward_models_on_one_shared_base_each_score_as_their_own_copy(train
 
     prompts, replies = [r["prompt"] for r in data.val_rows], [r["chosen"] for r in data.val_rows]
     module = policy()
-    both = [RewardModel(str(folder), shared_base=True, name="first"),
-            RewardModel(str(other), shared_base=True, name="second")]
+    both = [
+        RewardModel(str(folder), shared_base=True, name="first"),
+        RewardModel(str(other), shared_base=True, name="second"),
+    ]
     RewardCombiner(both).bind(module)
     assert {"rm_first", "rm_second"} <= set(module.policy.peft_config)
     scores = []
@@ -286,8 +314,9 @@ def test_reward_model_beside_a_rule_reward_with_weights(trained_rm):
     combiner = RewardCombiner([rm, Accuracy(weight=2.0)])
     combiner.bind(module)
     rows = data.val_rows[:4]
-    scores = combiner.score([r["prompt"] for r in rows], [r["chosen"] for r in rows],
-                            {"answer": [r["answer"] for r in rows]})
+    scores = combiner.score(
+        [r["prompt"] for r in rows], [r["chosen"] for r in rows], {"answer": [r["answer"] for r in rows]}
+    )
     normalised = scores.per_function["reward_model"]
     torch.testing.assert_close(normalised.mean(), torch.tensor(0.0), atol=1e-5, rtol=0)
     torch.testing.assert_close(scores.total, 0.5 * normalised + 2.0 * scores.per_function["accuracy"])
@@ -300,8 +329,9 @@ def test_folder_that_is_not_a_sequence_classifier(tiny_model_dir):
 
 
 def test_head_with_more_than_one_output(tmp_path, trained_rm):
-    model = AutoModelForSequenceClassification.from_pretrained(trained_rm[2], num_labels=2,
-                                                               ignore_mismatched_sizes=True)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        trained_rm[2], num_labels=2, ignore_mismatched_sizes=True
+    )
     model.save_pretrained(tmp_path / "two")
     with pytest.raises(ValueError, match="head with 2 outputs"):
         RewardModel(str(tmp_path / "two"))
@@ -328,8 +358,11 @@ def test_shared_base_needs_the_policy_vocabulary_and_base(tmp_path, trained_rm, 
     module.configure_model()
     with pytest.raises(ValueError, match="another vocabulary"):
         RewardModel(str(folder), shared_base=True).bind(module)
-    other_base = GRPOModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8),
-                                              init_adapter=str(trained_rm[2] / "adapter")))
+    other_base = GRPOModule(
+        policy=PolicySpec(
+            name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8), init_adapter=str(trained_rm[2] / "adapter")
+        )
+    )
     other_base.configure_model()
     with pytest.raises(ValueError, match="was trained on policy.init_adapter=None"):
         RewardModel(str(trained_rm[2]), shared_base=True).bind(other_base)

@@ -281,8 +281,11 @@ def test_from_callable_imports_dotted_paths_and_builtins():
 def test_builtin_classes_default_weights_and_names():
     rewards = [Accuracy(), Format(), LanguageConsistency(), Countdown(), CodeUnitTests()]
     assert [(r.name, r.weight) for r in rewards] == [
-        ("accuracy", 1.0), ("format", 0.5), ("language_consistency", 0.1),
-        ("countdown", 1.0), ("code_unit_tests", 1.0),
+        ("accuracy", 1.0),
+        ("format", 0.5),
+        ("language_consistency", 0.1),
+        ("countdown", 1.0),
+        ("code_unit_tests", 1.0),
     ]
 
 

@@ -9,11 +9,11 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from lit_grpo.model.kv_cache import with_cache
 from lit_grpo.generation.merged import MergedPolicy, can_merge
-from lit_grpo.objectives import token_entropy, token_logprobs
-from lit_grpo.model.logprob_passes import _full_logits, _fusable_head, completion_logprobs, length_buckets
 from lit_grpo.generation.rollout import SAMPLE_BLOCK, SamplingSpec, encode_prompts, generate, sample
+from lit_grpo.model.kv_cache import with_cache
+from lit_grpo.model.logprob_passes import _full_logits, _fusable_head, completion_logprobs, length_buckets
+from lit_grpo.objectives import token_entropy, token_logprobs
 
 
 @pytest.fixture()
@@ -26,8 +26,7 @@ def tiny(tiny_model_dir):
 def lora(model, seed=0):
     """A LoRA policy whose adapter is not zero (as after some training)."""
     torch.manual_seed(seed)
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
-                                            init_lora_weights=False))
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
 
 
 def prompts(tokenizer):
@@ -41,11 +40,13 @@ def test_greedy_decoding_matches_hf_generate_and_each_prompt_is_prefilled_once(t
     sampling = SamplingSpec(max_new_tokens=7)
     ours = generate(model, tokenizer, ids, mask, sampling, greedy=True)
     with torch.no_grad():
-        theirs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=7, do_sample=False,
-                                pad_token_id=tokenizer.pad_token_id)[:, ids.shape[1]:]  # [B, <=7]
+        theirs = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=7, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )[:, ids.shape[1] :]  # [B, <=7]
     width = theirs.shape[1]
-    assert torch.equal(ours.completion_ids[:, :width] * ours.completion_mask[:, :width],
-                       theirs * ours.completion_mask[:, :width])
+    assert torch.equal(
+        ours.completion_ids[:, :width] * ours.completion_mask[:, :width], theirs * ours.completion_mask[:, :width]
+    )
     repeated = generate(model, tokenizer, ids, mask, sampling, greedy=True, repeat=3)  # one prefill per prompt
     assert torch.equal(repeated.completion_ids, ours.completion_ids.repeat_interleave(3, 0))
     assert torch.equal(repeated.prompt_ids, ids.repeat_interleave(3, 0))
@@ -80,8 +81,14 @@ def test_shared_prompt_logprobs_and_gradients_equal_one_pass_per_row(tiny):
     policy = lora(model)
     ids, mask = prompts(tokenizer)
     G = 3
-    rollout = generate(policy, tokenizer, ids, mask, SamplingSpec(group_size=G, max_new_tokens=6),
-                       generator=torch.Generator().manual_seed(0))
+    rollout = generate(
+        policy,
+        tokenizer,
+        ids,
+        mask,
+        SamplingSpec(group_size=G, max_new_tokens=6),
+        generator=torch.Generator().manual_seed(0),
+    )
     completion_ids, completion_mask = rollout.completion_ids.clone(), rollout.completion_mask.clone()
     for row, length in enumerate([6, 3, 1, 6, 2, 5]):  # completions that ended early: padding, length buckets
         completion_mask[row, length:] = 0
@@ -203,7 +210,11 @@ def test_sdpa_gqa_matches_transformers_sdpa_and_saves_no_repeated_keys(tiny_mode
     torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=1e-5)
     heads, kv_heads = models[0].config.num_attention_heads, models[0].config.num_key_value_heads
     repeated = (ids.shape[0], heads, ids.shape[1], models[0].config.head_dim)
-    assert kv_heads < heads and repeated in saved_shapes[0] and saved_shapes[0].count(repeated) > saved_shapes[1].count(repeated)
+    assert (
+        kv_heads < heads
+        and repeated in saved_shapes[0]
+        and saved_shapes[0].count(repeated) > saved_shapes[1].count(repeated)
+    )
 
 
 def test_length_buckets_cover_every_row_once_and_cut_padding():

@@ -89,8 +89,13 @@ def test_memory_bomb_is_refused():
 @requires_isolation
 def test_writes_outside_the_workdir_do_not_persist():
     name = f"sandbox_escape_{uuid.uuid4().hex}"
-    targets = [Path(lit_grpo.__file__).parents[1], Path.home(), Path(tempfile.gettempdir()),
-               Path("/var/tmp"), Path("/dev/shm")]
+    targets = [
+        Path(lit_grpo.__file__).parents[1],
+        Path.home(),
+        Path(tempfile.gettempdir()),
+        Path("/var/tmp"),
+        Path("/dev/shm"),
+    ]
     paths = [str(t / name) for t in targets]
     solution = (
         f"WRITTEN = []\nfor path in {paths!r}:\n    try:\n        open(path, 'w').write('x')\n"
@@ -178,8 +183,9 @@ def test_correct_solution_scores_one_and_wrong_zero():
 def test_workdir_is_deleted_afterwards(tmp_path, monkeypatch):
     tmp_path.chmod(0o755)  # the unprivileged uid must reach it in the limits-only mode
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    result = SANDBOX.run(Program("open('scratch.txt', 'w').write('x')\nprint(open('data.txt').read())",
-                                 files={"data.txt": "given"}))
+    result = SANDBOX.run(
+        Program("open('scratch.txt', 'w').write('x')\nprint(open('data.txt').read())", files={"data.txt": "given"})
+    )
     assert result.stdout.strip() == "given"
     assert list(tmp_path.iterdir()) == []
 

@@ -13,13 +13,19 @@ from peft import PeftModel
 from lit_grpo.algorithms.dpo import DPOModule
 from lit_grpo.algorithms.sft import SFTModule
 from lit_grpo.data.sft import SFTDataModule
-from lit_grpo.objectives import sft_loss
 from lit_grpo.model.policy import LoraSpec, PolicySpec, load_base_model
+from lit_grpo.objectives import sft_loss
 
 
 def trainer(**kwargs) -> L.Trainer:
-    options = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                   enable_model_summary=False, num_sanity_val_steps=0)
+    options = dict(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     return L.Trainer(**{**options, **kwargs})
 
 
@@ -53,8 +59,7 @@ def test_module_loss_is_the_completion_tokens_nll(tiny_model_dir):
     module = SFTModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=None), progress=False)
     module.configure_model()
     rows = [{"prompt": "What is 1 + 2?", "completion": "1 + 2 = 3"}, {"prompt": "Hi", "completion": "Hello there"}]
-    data = attached(module, SFTDataModule(source=write_jsonl(Path(tiny_model_dir) / "sft.jsonl", rows * 2),
-                                          val_size=1))
+    data = attached(module, SFTDataModule(source=write_jsonl(Path(tiny_model_dir) / "sft.jsonl", rows * 2), val_size=1))
     batch = data.collate(rows)
     tokenizer = module.tokenizer
     total, count = 0.0, 0
@@ -75,8 +80,12 @@ def test_module_loss_is_the_completion_tokens_nll(tiny_model_dir):
 
 def test_messages_train_every_assistant_turn_only(tiny_model_dir):
     module = SFTModule(policy=PolicySpec(name_or_path=tiny_model_dir), progress=False)
-    messages = [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
-                {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"}]
+    messages = [
+        {"role": "user", "content": "Q1"},
+        {"role": "assistant", "content": "A1"},
+        {"role": "user", "content": "Q2"},
+        {"role": "assistant", "content": "A2"},
+    ]
     source = write_jsonl(Path(tiny_model_dir) / "chats.jsonl", [{"messages": messages}] * 3)
     data = attached(module, SFTDataModule(source=source, val_size=1))
     batch = data.collate(data.train_rows[:1])
@@ -94,11 +103,14 @@ def test_prompt_completion_message_lists(tiny_model_dir):
     assert module.tokenizer.decode(batch["completion_ids"][0]) == "A<|im_end|>"
 
 
-@pytest.mark.parametrize("rows, match", [
-    ([{"prompt": "q", "completion": "a"}] * 2 + [{"prompt": "q", "completion": "  "}], "row 2: the completion"),
-    ([{"messages": [{"role": "user", "content": "q"}]}] * 3, "row 0: the completion"),
-    ([{"question": "q", "solution": "a"}] * 3, "neither 'prompt' \\+ 'completion' nor 'messages'"),
-])
+@pytest.mark.parametrize(
+    "rows, match",
+    [
+        ([{"prompt": "q", "completion": "a"}] * 2 + [{"prompt": "q", "completion": "  "}], "row 2: the completion"),
+        ([{"messages": [{"role": "user", "content": "q"}]}] * 3, "row 0: the completion"),
+        ([{"question": "q", "solution": "a"}] * 3, "neither 'prompt' \\+ 'completion' nor 'messages'"),
+    ],
+)
 def test_bad_rows_are_named_before_training(tmp_path, rows, match):
     data = SFTDataModule(source=write_jsonl(tmp_path / "bad.jsonl", rows), val_size=1)
     with pytest.raises(ValueError, match=match):
@@ -116,15 +128,18 @@ def test_init_adapter_reference_is_the_sft_model(tmp_path, tiny_model_dir):
             if "lora_B" in name:
                 param.normal_(generator=generator)
     sft.export_adapter(tmp_path / "sft")
-    batch = {"prompt_ids": torch.randint(0, 500, (3, 5), generator=generator),
-             "prompt_mask": torch.ones(3, 5, dtype=torch.long),
-             "completion_ids": torch.randint(0, 500, (3, 4), generator=generator),
-             "completion_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]])}
+    batch = {
+        "prompt_ids": torch.randint(0, 500, (3, 5), generator=generator),
+        "prompt_mask": torch.ones(3, 5, dtype=torch.long),
+        "completion_ids": torch.randint(0, 500, (3, 4), generator=generator),
+        "completion_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]]),
+    }
     spec = PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8))
     raw = load_base_model(spec)
     sft_model = PeftModel.from_pretrained(load_base_model(spec), tmp_path / "sft").eval()
-    module = DPOModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8),
-                                         init_adapter=str(tmp_path / "sft")))
+    module = DPOModule(
+        policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8), init_adapter=str(tmp_path / "sft"))
+    )
     module.configure_model()
     with torch.no_grad(), module.reference_model() as reference:
         ref = module.sequence_logps(reference, batch)
@@ -158,8 +173,11 @@ def test_tiny_model_learns_the_demonstrations(tiny_model_dir):
     # 8 demonstrations seen 10 times (20 steps of 4), validated on the same 8 rows
     # (a built-in task regenerates them for val_split): the held-out loss must fall.
     torch.manual_seed(0)
-    module = SFTModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=None), progress=False,
-                       optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+    module = SFTModule(
+        policy=PolicySpec(name_or_path=tiny_model_dir, lora=None),
+        progress=False,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+    )
     data = SFTDataModule(train_size=8, val_split="train", val_size=8, batch_size=4, val_max_new_tokens=6)
     fit = trainer(max_epochs=10, check_val_every_n_epoch=100)
     (before,) = fit.validate(module, data, verbose=False)

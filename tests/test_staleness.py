@@ -16,12 +16,12 @@ import lightning as L
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_chaos import fit_command, run
 
 from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.data.grpo import OnPolicyDataModule
 from lit_grpo.generation.rollout import SamplingSpec
 from lit_grpo.model.policy import LoraSpec, PolicySpec
-from test_chaos import fit_command, run
 
 
 def letters(prompts, completions, **columns):
@@ -40,15 +40,36 @@ class Tags(L.Callback):
 
 def fit(model_dir: str, root, staleness: int, epochs: int = 4, **data) -> tuple[Tags, L.Trainer]:
     L.seed_everything(0)
-    module = GRPOModule(policy=PolicySpec(name_or_path=model_dir, lora=LoraSpec(r=4)), progress=False,
-                        validate_before_training=False)
-    datamodule = OnPolicyDataModule(**{**dict(train_size=20, val_size=2, prompts_per_epoch=2, batch_size=8,
-                                              staleness=staleness, rewards=[letters],
-                                              sampling=SamplingSpec(group_size=4, max_new_tokens=8)), **data})
+    module = GRPOModule(
+        policy=PolicySpec(name_or_path=model_dir, lora=LoraSpec(r=4)), progress=False, validate_before_training=False
+    )
+    datamodule = OnPolicyDataModule(
+        **{
+            **dict(
+                train_size=20,
+                val_size=2,
+                prompts_per_epoch=2,
+                batch_size=8,
+                staleness=staleness,
+                rewards=[letters],
+                sampling=SamplingSpec(group_size=4, max_new_tokens=8),
+            ),
+            **data,
+        }
+    )
     tags = Tags()
-    trainer = L.Trainer(accelerator="cpu", max_epochs=epochs, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        reload_dataloaders_every_n_epochs=1, callbacks=[tags], default_root_dir=root)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        reload_dataloaders_every_n_epochs=1,
+        callbacks=[tags],
+        default_root_dir=root,
+    )
     trainer.fit(module, datamodule)
     return tags, trainer
 
@@ -81,15 +102,24 @@ def test_killed_and_preempted_under_staleness_1_resumes_to_the_straight_runs_ada
     # The first kill lands before epoch 1's first step, so the second run waits for epoch 1's rollout,
     # relaunched from the checkpoint, when SIGTERM comes: a job relaunched is still pending in its save.
     for phase, epoch, index, strike in [
-        ("rollout", 1, 5, "SIGKILL"),     # the worker sampling epoch 2's rollout while epoch 1 trains
-        ("rollout", 1, 5, "SIGTERM"),     # preempted while the worker samples: its job stays pending
-        ("backward", 1, 2, "SIGKILL"),    # inside epoch 1, epoch 2's rollout pending
-        ("backward", 2, 0, "SIGTERM"),    # preempted: saves at the next step and exits 143
-        ("optimizer", 2, 2, "SIGKILL"),   # before the last step (the resumed loop counts from 0)
+        ("rollout", 1, 5, "SIGKILL"),  # the worker sampling epoch 2's rollout while epoch 1 trains
+        ("rollout", 1, 5, "SIGTERM"),  # preempted while the worker samples: its job stays pending
+        ("backward", 1, 2, "SIGKILL"),  # inside epoch 1, epoch 2's rollout pending
+        ("backward", 2, 0, "SIGTERM"),  # preempted: saves at the next step and exits 143
+        ("optimizer", 2, 2, "SIGKILL"),  # before the last step (the resumed loop counts from 0)
     ]:
-        result = run(ahead_command(tiny_model_dir, root, "--ckpt_path=last", "--trainer.callbacks+=chaos.Chaos",
-                                   f"--trainer.callbacks.phase={phase}", f"--trainer.callbacks.epoch={epoch}",
-                                   f"--trainer.callbacks.index={index}", f"--trainer.callbacks.strike={strike}"))
+        result = run(
+            ahead_command(
+                tiny_model_dir,
+                root,
+                "--ckpt_path=last",
+                "--trainer.callbacks+=chaos.Chaos",
+                f"--trainer.callbacks.phase={phase}",
+                f"--trainer.callbacks.epoch={epoch}",
+                f"--trainer.callbacks.index={index}",
+                f"--trainer.callbacks.strike={strike}",
+            )
+        )
         expected = -9 if strike == "SIGKILL" else 143
         assert result.returncode == expected, f"{phase} {epoch} {index}:\n{result.stderr[-3000:]}"
     resumed = run(ahead_command(tiny_model_dir, root, "--ckpt_path=last"))
@@ -99,17 +129,36 @@ def test_killed_and_preempted_under_staleness_1_resumes_to_the_straight_runs_ada
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
 
 
-@pytest.mark.parametrize(("data", "module", "message"), [
-    ({"staleness": -1}, {}, r"data.staleness=-1; expected >= 0"),
-    ({"staleness": 1}, {"lora": None}, r"data.staleness=1: full fine-tuning has no adapter to freeze"),
-])
+@pytest.mark.parametrize(
+    ("data", "module", "message"),
+    [
+        ({"staleness": -1}, {}, r"data.staleness=-1; expected >= 0"),
+        ({"staleness": 1}, {"lora": None}, r"data.staleness=1: full fine-tuning has no adapter to freeze"),
+    ],
+)
 def test_what_cannot_sample_ahead_is_refused_in_one_line(tiny_model_dir, tmp_path, data, module, message):
     with pytest.raises(ValueError, match=message):
         policy = dataclasses.replace(PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4)), **module)
-        trainer = L.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                            reload_dataloaders_every_n_epochs=1, default_root_dir=tmp_path)
-        trainer.fit(GRPOModule(policy=policy, progress=False, validate_before_training=False),
-                    OnPolicyDataModule(train_size=20, val_size=2, prompts_per_epoch=2, batch_size=8,
-                                       rewards=[letters], sampling=SamplingSpec(group_size=4, max_new_tokens=4),
-                                       **data))
+        trainer = L.Trainer(
+            accelerator="cpu",
+            max_epochs=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            reload_dataloaders_every_n_epochs=1,
+            default_root_dir=tmp_path,
+        )
+        trainer.fit(
+            GRPOModule(policy=policy, progress=False, validate_before_training=False),
+            OnPolicyDataModule(
+                train_size=20,
+                val_size=2,
+                prompts_per_epoch=2,
+                batch_size=8,
+                rewards=[letters],
+                sampling=SamplingSpec(group_size=4, max_new_tokens=4),
+                **data,
+            ),
+        )

@@ -34,13 +34,33 @@ KNOBS = [
 ]
 # The test's own arithmetic: division must be exact, so it is checked, not floored.
 ARITHMETIC = {"+": operator.add, "-": operator.sub, "*": operator.mul}
-WORDS = {"twice": 2, "three times": 3, "four times": 4, "half": 2, "a third": 3, "a quarter": 4,
-         "a fifth": 5, "a sixth": 6, "a seventh": 7, "an eighth": 8, "a ninth": 9, "a tenth": 10}
+WORDS = {
+    "twice": 2,
+    "three times": 3,
+    "four times": 4,
+    "half": 2,
+    "a third": 3,
+    "a quarter": 4,
+    "a fifth": 5,
+    "a sixth": 6,
+    "a seventh": 7,
+    "an eighth": 8,
+    "a ninth": 9,
+    "a tenth": 10,
+}
 PERSON, OBJECT = f"(?:{'|'.join(wp.NAMES)})", f"(?:{'|'.join(wp.ITEMS)})"
 TIMES = "|".join([*(w for w in WORDS if w.endswith(("twice", "times"))), r"\d+ times"])
 FRACTION = "|".join([*(w for w in WORDS if not w.endswith(("twice", "times"))), r"1/\d+"])
-FIELDS = {"n": r"(?P<n>\d+)", "start": r"(?P<start>\d+)", "times": f"(?P<times>{TIMES})",
-          "fraction": f"(?P<fraction>{FRACTION})", "name": PERSON, "new": PERSON, "friend": PERSON, "items": OBJECT}
+FIELDS = {
+    "n": r"(?P<n>\d+)",
+    "start": r"(?P<start>\d+)",
+    "times": f"(?P<times>{TIMES})",
+    "fraction": f"(?P<fraction>{FRACTION})",
+    "name": PERSON,
+    "new": PERSON,
+    "friend": PERSON,
+    "items": OBJECT,
+}
 
 
 def settings(knobs: dict) -> dict:
@@ -63,8 +83,10 @@ def final_answer(row: dict) -> int:
 
 def pattern(template: str) -> re.Pattern:
     """A template as a regex: numbers captured, names and objects from the generator's lists."""
-    parts = [re.escape(literal) + (FIELDS[field] if field else "")
-             for literal, field, _, _ in string.Formatter().parse(template)]
+    parts = [
+        re.escape(literal) + (FIELDS[field] if field else "")
+        for literal, field, _, _ in string.Formatter().parse(template)
+    ]
     return re.compile("".join(parts))
 
 
@@ -169,14 +191,17 @@ def test_it_is_a_built_in_task():
     assert TASKS["word_problems"] is wp.word_problems
 
 
-@pytest.mark.parametrize("knobs, field", [
-    ({"min_steps": 0}, "min_steps=0"),
-    ({"min_steps": 3, "max_steps": 2}, "min_steps=3, max_steps=2"),
-    ({"ops": "+%"}, "ops='+%'"),
-    ({"ops": ""}, "ops=''"),
-    ({"max_factor": 1}, "max_factor=1"),
-    ({"max_value": 5}, "max_value=5"),
-])
+@pytest.mark.parametrize(
+    "knobs, field",
+    [
+        ({"min_steps": 0}, "min_steps=0"),
+        ({"min_steps": 3, "max_steps": 2}, "min_steps=3, max_steps=2"),
+        ({"ops": "+%"}, "ops='+%'"),
+        ({"ops": ""}, "ops=''"),
+        ({"max_factor": 1}, "max_factor=1"),
+        ({"max_value": 5}, "max_value=5"),
+    ],
+)
 def test_bad_knobs_name_the_field(knobs, field):
     with pytest.raises(ValueError, match=re.escape(field)):
         wp.word_problems(5, seed=0, **knobs)
@@ -194,8 +219,9 @@ def score(rows: list[dict], answers: list) -> list[float | None]:
 
 
 def test_word_problems_load_and_score_through_the_data_module():
-    datamodule = OnPolicyDataModule(source="word_problems", task_args={"max_steps": 3}, train_size=20, val_size=4,
-                                    rewards=[Accuracy()])
+    datamodule = OnPolicyDataModule(
+        source="word_problems", task_args={"max_steps": 3}, train_size=20, val_size=4, rewards=[Accuracy()]
+    )
     datamodule.setup("fit")
     rows = datamodule.train_rows[:10]
     assert len(datamodule.train_rows) == 20 and len(datamodule.val_rows) == 4
@@ -211,16 +237,26 @@ def test_word_problems_load_and_score_through_the_data_module():
 
 # GSM8K's schema and answer style: worked lines with <<calculator>> notes and $ amounts, then "#### N".
 GSM8K_ROWS = [
-    {"question": "Tom picks 12 apples and buys 3 bags of 5 more. How many apples does he have?",
-     "answer": "The bags hold 3 * 5 = <<3*5=15>>15 apples.\nHe has 12 + 15 = <<12+15=27>>27 apples.\n#### 27"},
-    {"question": "A pen costs $4. Mia buys 6 pens and pays with $50. How much change does she get?",
-     "answer": "The pens cost 6 * $4 = $<<6*4=24>>24.\nHer change is $50 - $24 = $<<50-24=26>>26.\n#### 26"},
-    {"question": "A farm has 1,200 hens and sells half. How many hens are left?",
-     "answer": "It sells 1,200 / 2 = <<1200/2=600>>600 hens.\nLeft: 1,200 - 600 = <<1200-600=600>>600.\n#### 600"},
-    {"question": "Sam reads 15 pages a day for 4 days, then 10 more. How many pages in all?",
-     "answer": "15 * 4 = <<15*4=60>>60 pages in 4 days.\n60 + 10 = <<60+10=70>>70.\n#### 70"},
-    {"question": "Lena has 3 boxes of 8 crayons and gives away 5. How many crayons remain?",
-     "answer": "She has 3 * 8 = <<3*8=24>>24 crayons.\n24 - 5 = <<24-5=19>>19 remain.\n#### 19"},
+    {
+        "question": "Tom picks 12 apples and buys 3 bags of 5 more. How many apples does he have?",
+        "answer": "The bags hold 3 * 5 = <<3*5=15>>15 apples.\nHe has 12 + 15 = <<12+15=27>>27 apples.\n#### 27",
+    },
+    {
+        "question": "A pen costs $4. Mia buys 6 pens and pays with $50. How much change does she get?",
+        "answer": "The pens cost 6 * $4 = $<<6*4=24>>24.\nHer change is $50 - $24 = $<<50-24=26>>26.\n#### 26",
+    },
+    {
+        "question": "A farm has 1,200 hens and sells half. How many hens are left?",
+        "answer": "It sells 1,200 / 2 = <<1200/2=600>>600 hens.\nLeft: 1,200 - 600 = <<1200-600=600>>600.\n#### 600",
+    },
+    {
+        "question": "Sam reads 15 pages a day for 4 days, then 10 more. How many pages in all?",
+        "answer": "15 * 4 = <<15*4=60>>60 pages in 4 days.\n60 + 10 = <<60+10=70>>70.\n#### 70",
+    },
+    {
+        "question": "Lena has 3 boxes of 8 crayons and gives away 5. How many crayons remain?",
+        "answer": "She has 3 * 8 = <<3*8=24>>24 crayons.\n24 - 5 = <<24-5=19>>19 remain.\n#### 19",
+    },
 ]
 
 
@@ -229,8 +265,14 @@ def test_a_gsm8k_schema_parquet_loads_and_scores(tmp_path):
     pq.write_table(pa.Table.from_pylist(GSM8K_ROWS), path)
     data = yaml.safe_load((CONFIGS / "gsm8k_qlora.yaml").read_text())["data"]
     assert data["source"] == "openai/gsm8k:main" and data["columns"] == {"prompt": "question", "answer": "answer"}
-    datamodule = OnPolicyDataModule(source=str(path), columns=data["columns"], val_size=1, train_size=4,
-                                    prompt_template=data["prompt_template"], rewards=[Accuracy()])
+    datamodule = OnPolicyDataModule(
+        source=str(path),
+        columns=data["columns"],
+        val_size=1,
+        train_size=4,
+        prompt_template=data["prompt_template"],
+        rewards=[Accuracy()],
+    )
     datamodule.setup("fit")
     rows = datamodule.val_rows + datamodule.train_rows
     assert [(r["prompt"], r["answer"]) for r in rows] == [(r["question"], r["answer"]) for r in GSM8K_ROWS]

@@ -27,14 +27,32 @@ def test_a_game_is_played_move_by_move_and_scores_itself():
 
 def test_it_trains_as_an_environment_from_its_yaml_form(tmp_path, tiny_model_dir):
     rows = [{"prompt": "Play the game: one guess per turn.", "seed": seed} for seed in range(12)]
-    data = OnPolicyDataModule(source=rows, val_size=2, prompts_per_epoch=2, batch_size=4, max_prompt_length=1024,
-                              rewards=[], val_reward=lambda environments, **_: [e.get_reward() for e in environments],
-                              episodes=EpisodesSpec(environment=GAME, max_turns=2, max_episode_tokens=32),
-                              sampling=SamplingSpec(group_size=2, max_new_tokens=8))
-    module = GRPOModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8)), progress=False,
-                        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
-    trainer = L.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        reload_dataloaders_every_n_epochs=1, default_root_dir=tmp_path)
+    data = OnPolicyDataModule(
+        source=rows,
+        val_size=2,
+        prompts_per_epoch=2,
+        batch_size=4,
+        max_prompt_length=1024,
+        rewards=[],
+        val_reward=lambda environments, **_: [e.get_reward() for e in environments],
+        episodes=EpisodesSpec(environment=GAME, max_turns=2, max_episode_tokens=32),
+        sampling=SamplingSpec(group_size=2, max_new_tokens=8),
+    )
+    module = GRPOModule(
+        policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8)),
+        progress=False,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        reload_dataloaders_every_n_epochs=1,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(module, data)
     assert "reward/environment" in trainer.callback_metrics and trainer.global_step == 1

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_module import make, trainer
 from torch.utils.flop_counter import FlopCounterMode
 
 from lit_grpo.model import hardware
 from lit_grpo.model.policy import PolicySpec, build_policy
 from lit_grpo.training.throughput import EpochThroughput, FlopModel, rollout_tokens
-from test_module import make, trainer
 
 
 def _tiny_policy(tiny_model_dir, lora=True):
@@ -60,14 +60,19 @@ def test_rows_that_share_a_prompt_count_it_once():
 def test_the_epoch_metrics_divide_flops_by_the_phases_that_did_them():
     costs = FlopModel(base_linear=100, adapter_linear=0, trained_linear=0, attention=0)
     meter = EpochThroughput(costs, peak=1e4)
-    rows = {"prompt_ids": torch.zeros(2, 1, dtype=torch.long), "prompt_mask": torch.ones(2, 1),
-            "completion_mask": torch.ones(2, 4), "ref_logprobs": torch.zeros(2, 4)}
+    rows = {
+        "prompt_ids": torch.zeros(2, 1, dtype=torch.long),
+        "prompt_mask": torch.ones(2, 1),
+        "completion_mask": torch.ones(2, 4),
+        "ref_logprobs": torch.zeros(2, 4),
+    }
     tokens, pairs = rollout_tokens(rows["prompt_ids"], rows["prompt_mask"], rows["completion_mask"])
     # twice the 8 kept tokens generated: dynamic sampling dropped a round
     meter.rollout({"tokens": tokens, "pairs": pairs, "generated": 16, "kept": 8, "reference": 1, "old": 0})
     meter.step(rows)
-    perf = meter.metrics({"generate": 2.0, "reward": 1.0, "reference": 0.5, "policy_forward": 0.5,
-                          "policy_backward": 1.0})
+    perf = meter.metrics(
+        {"generate": 2.0, "reward": 1.0, "reference": 0.5, "policy_forward": 0.5, "policy_backward": 1.0}
+    )
     forward = 2 * 100 * 9  # 1 shared prompt token + 8 completion tokens
     assert perf["perf/mfu"] == pytest.approx((forward + 2 * forward) / 2.0 / 1e4)
     assert perf["perf/rollout_mfu"] == pytest.approx(2 * forward / 2.0 / 1e4)

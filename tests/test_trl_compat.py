@@ -23,21 +23,38 @@ from lit_grpo.rewards import RewardCombiner, TrainerState, accuracy
 
 def module(tiny_model_dir) -> GRPOModule:
     torch.manual_seed(0)
-    return GRPOModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8)), progress=False,
-                      optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+    return GRPOModule(
+        policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4, alpha=8)),
+        progress=False,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+    )
 
 
 def fit(tmp_path, module, data, epochs: int = 2, **options) -> L.Trainer:
-    trainer = L.Trainer(accelerator="cpu", max_epochs=epochs, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        reload_dataloaders_every_n_epochs=1, default_root_dir=tmp_path, **options)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        reload_dataloaders_every_n_epochs=1,
+        default_root_dir=tmp_path,
+        **options,
+    )
     trainer.fit(module, data)
     return trainer
 
 
 def small(**options) -> OnPolicyDataModule:
-    settings = dict(val_size=2, prompts_per_epoch=2, batch_size=4, max_prompt_length=512,
-                    sampling=SamplingSpec(group_size=2, max_new_tokens=6))
+    settings = dict(
+        val_size=2,
+        prompts_per_epoch=2,
+        batch_size=4,
+        max_prompt_length=512,
+        sampling=SamplingSpec(group_size=2, max_new_tokens=6),
+    )
     return OnPolicyDataModule(**{**settings, **options})
 
 
@@ -49,8 +66,12 @@ def test_trls_2048_environment_class_and_a_reward_reading_environments_train_two
         return reward_score(environments, **kwargs)
 
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": PROMPT}] for _ in range(12)]})
-    data = small(source=dataset, rewards=[recorded], val_reward=reward_score,
-                 episodes=EpisodesSpec(environment=Game2048, max_turns=2, max_episode_tokens=24))
+    data = small(
+        source=dataset,
+        rewards=[recorded],
+        val_reward=reward_score,
+        episodes=EpisodesSpec(environment=Game2048, max_turns=2, max_episode_tokens=24),
+    )
     trainer = fit(tmp_path, module(tiny_model_dir), data)
     assert trainer.global_step == 2
     assert len(seen) == 2 and all(len(envs) == 4 and all(isinstance(e, Game2048) for e in envs) for envs in seen)
@@ -66,8 +87,12 @@ def test_an_environment_factory_builds_each_episodes_game(tmp_path, tiny_model_d
         built.append(Game2048())
         return built[-1]
 
-    data = small(source=[{"prompt": PROMPT}] * 10, rewards=[reward_score], val_reward=reward_score,
-                 episodes=EpisodesSpec(environment=factory, max_turns=1, max_episode_tokens=12))
+    data = small(
+        source=[{"prompt": PROMPT}] * 10,
+        rewards=[reward_score],
+        val_reward=reward_score,
+        episodes=EpisodesSpec(environment=factory, max_turns=1, max_episode_tokens=12),
+    )
     fit(tmp_path, module(tiny_model_dir), data, epochs=1, limit_val_batches=0)
     assert len(built) >= 4
 
@@ -118,8 +143,9 @@ def test_a_reward_naming_trainer_state_sees_the_global_step_advance(tmp_path, ti
         logged.append(True)
         return [float(len(ids)) for ids in completion_ids]
 
-    trainer = fit(tmp_path, module(tiny_model_dir), small(train_size=20, rewards=[curriculum]), epochs=3,
-                  limit_val_batches=0)
+    trainer = fit(
+        tmp_path, module(tiny_model_dir), small(train_size=20, rewards=[curriculum]), epochs=3, limit_val_batches=0
+    )
     assert steps == [(0, 0, 3), (1, 1, 3), (2, 2, 3)]
     assert float(trainer.callback_metrics["curriculum/level"]) == 2.0
 
@@ -156,16 +182,25 @@ def unknown_argument(completions, judge_model, **kwargs):
     return [0.0] * len(completions)
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"source": Dataset.from_dict({"question": ["q"] * 8})},
-     r"data.source='<a Dataset of 8 rows>' has no 'prompt' column; map one with data.columns"),
-    ({"rewards": [unknown_argument]},
-     r"Reward 'unknown_argument' takes the argument 'judge_model', which lit_grpo cannot supply: a reward may "
-     r"take prompts, completions, completion_ids, environments, trainer_state, log_metric and the columns"),
-    ({"episodes": EpisodesSpec(environment=lambda: object())},
-     r"data.episodes.environment: .*<lambda> returns a object, which has no reset\(self, \*\*row\) method"),
-    ({"source": [1, 2]}, r"data.source is a list of 2 items; expected a non-empty list of row dicts"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (
+            {"source": Dataset.from_dict({"question": ["q"] * 8})},
+            r"data.source='<a Dataset of 8 rows>' has no 'prompt' column; map one with data.columns",
+        ),
+        (
+            {"rewards": [unknown_argument]},
+            r"Reward 'unknown_argument' takes the argument 'judge_model', which lit_grpo cannot supply: a reward may "
+            r"take prompts, completions, completion_ids, environments, trainer_state, log_metric and the columns",
+        ),
+        (
+            {"episodes": EpisodesSpec(environment=lambda: object())},
+            r"data.episodes.environment: .*<lambda> returns a object, which has no reset\(self, \*\*row\) method",
+        ),
+        ({"source": [1, 2]}, r"data.source is a list of 2 items; expected a non-empty list of row dicts"),
+    ],
+)
 def test_trl_shaped_mistakes_get_one_line_naming_the_field(tiny_model_dir, options, message):
     with pytest.raises(ValueError, match=message):
         data = small(**options)

@@ -71,21 +71,42 @@ def test_eval_of_an_adapter_trained_on_another_base(lit_grpo, tiny_model_dir, wi
 
 # ---------------------------------------------------------------------- reward model
 def fit_args(tiny_model_dir: str, tmp_path, *extra: str) -> list[str]:
-    return ["fit", "--trainer.accelerator=cpu", "--trainer.max_epochs=1", "--trainer.logger=false",
-            "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
-            f"--trainer.default_root_dir={tmp_path / 'run'}", f"--model.policy.name_or_path={tiny_model_dir}",
-            "--model.policy.lora.r=4", "--model.progress=false", "--data.train_size=20", "--data.val_size=2",
-            "--data.prompts_per_epoch=2", "--data.batch_size=4", "--data.sampling.group_size=4",
-            "--data.sampling.max_new_tokens=4", *extra]
+    return [
+        "fit",
+        "--trainer.accelerator=cpu",
+        "--trainer.max_epochs=1",
+        "--trainer.logger=false",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        f"--trainer.default_root_dir={tmp_path / 'run'}",
+        f"--model.policy.name_or_path={tiny_model_dir}",
+        "--model.policy.lora.r=4",
+        "--model.progress=false",
+        "--data.train_size=20",
+        "--data.val_size=2",
+        "--data.prompts_per_epoch=2",
+        "--data.batch_size=4",
+        "--data.sampling.group_size=4",
+        "--data.sampling.max_new_tokens=4",
+        *extra,
+    ]
 
 
 def reward_model(name_or_path: str, shared_base: bool) -> str:
-    return "--data.rewards=" + json.dumps([{"class_path": "lit_grpo.rewards.RewardModel",
-                                            "init_args": {"name_or_path": name_or_path, "shared_base": shared_base}}])
+    return "--data.rewards=" + json.dumps(
+        [
+            {
+                "class_path": "lit_grpo.rewards.RewardModel",
+                "init_args": {"name_or_path": name_or_path, "shared_base": shared_base},
+            }
+        ]
+    )
 
 
-EXPECTED = ("expected a folder written by lit-grpo rm fit --export_adapter or, with shared_base=false, a "
-            "sequence-classification model folder or hub id (org/name).")
+EXPECTED = (
+    "expected a folder written by lit-grpo rm fit --export_adapter or, with shared_base=false, a "
+    "sequence-classification model folder or hub id (org/name)."
+)
 
 
 @pytest.mark.parametrize("shared_base", [False, True])
@@ -99,11 +120,16 @@ def test_reward_model_that_is_no_model_folder(lit_grpo, tiny_model_dir, tmp_path
     monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", no_hub)
     monkeypatch.setattr("lit_grpo.model.sources._hub_answers", no_hub)
     monkeypatch.chdir(tmp_path)
-    path, problem = {"missing folder": (str(tmp_path / "runs" / "rm"), ": no such folder"),
-                     "bare name": ("my_reward_model", ": no such folder"),
-                     "empty folder": (str(tmp_path / "empty"), " is not a model folder: it has no config.json and "
-                                      "no weights (model.safetensors or pytorch_model.bin, or their shards), and no "
-                                      "adapter_config.json")}[kind]
+    path, problem = {
+        "missing folder": (str(tmp_path / "runs" / "rm"), ": no such folder"),
+        "bare name": ("my_reward_model", ": no such folder"),
+        "empty folder": (
+            str(tmp_path / "empty"),
+            " is not a model folder: it has no config.json and "
+            "no weights (model.safetensors or pytorch_model.bin, or their shards), and no "
+            "adapter_config.json",
+        ),
+    }[kind]
     (tmp_path / "empty").mkdir()
     code, last = lit_grpo(*fit_args(tiny_model_dir, tmp_path, reward_model(path, shared_base)))
     assert code == 2
@@ -116,8 +142,10 @@ def test_plot_out_that_is_a_file(lit_grpo, tmp_path):
     (tmp_path / "curves.png").write_bytes(b"an older figure")
     code, last = lit_grpo("plot", str(tmp_path), "--out", str(tmp_path / "curves.png"))
     assert code == 2
-    assert last == (f"lit-grpo: --out='{tmp_path / 'curves.png'}' is a file; expected a folder to write the PNGs "
-                    f"into (curves.png, and curves/ with --each), e.g. --out {tmp_path}.")
+    assert last == (
+        f"lit-grpo: --out='{tmp_path / 'curves.png'}' is a file; expected a folder to write the PNGs "
+        f"into (curves.png, and curves/ with --each), e.g. --out {tmp_path}."
+    )
     assert (tmp_path / "curves.png").read_bytes() == b"an older figure"
 
 

@@ -13,7 +13,8 @@ from lit_grpo.cli import main
 from lit_grpo.data.grpo import OnPolicyDataModule
 from lit_grpo.data.sources import load_rows
 from lit_grpo.data.tasks import arithmetic
-from lit_grpo.evaluation.evaluate import main as eval_main, table
+from lit_grpo.evaluation.evaluate import main as eval_main
+from lit_grpo.evaluation.evaluate import table
 
 SLICE = {"3+2": {"digits": [3, 2]}}
 
@@ -48,8 +49,9 @@ def test_a_mix_draws_each_option_set_evenly_and_interleaved():
 
 
 def test_slices_are_disjoint_from_training_and_of_their_own_form():
-    data = OnPolicyDataModule(task_args={"digits": 2, "ops": "+"}, train_size=200, val_size=16,
-                              val_slices={"2+2": {}, **SLICE})
+    data = OnPolicyDataModule(
+        task_args={"digits": 2, "ops": "+"}, train_size=200, val_size=16, val_slices={"2+2": {}, **SLICE}
+    )
     data.setup()
     taken = {row["prompt"] for row in data.train_rows + data.val_rows}
     assert list(data.val_sets()) == ["val/accuracy", "val/2+2/accuracy", "val/3+2/accuracy"]
@@ -61,24 +63,33 @@ def test_slices_are_disjoint_from_training_and_of_their_own_form():
 
 def test_a_slice_of_a_small_task_takes_what_it_has():
     # 1-digit sums: 100 questions in all, fewer than the 4 x val_size spare rows a slice asks for first.
-    data = OnPolicyDataModule(task_args={"digits": 2, "ops": "+"}, train_size=100, val_size=64,
-                              val_slices={"1+1": {"digits": 1}})
+    data = OnPolicyDataModule(
+        task_args={"digits": 2, "ops": "+"}, train_size=100, val_size=64, val_slices={"1+1": {"digits": 1}}
+    )
     data.setup()
     assert len(data.val_slices["1+1"]) == 64
     with pytest.raises(ValueError, match=r"data.val_slices\['1\+1'\]=.*it has 100 distinct ones.*val_size=200"):
-        OnPolicyDataModule(task_args={"digits": 2, "ops": "+"}, train_size=300, val_size=200,
-                           val_slices={"1+1": {"digits": 1}}).setup()
+        OnPolicyDataModule(
+            task_args={"digits": 2, "ops": "+"}, train_size=300, val_size=200, val_slices={"1+1": {"digits": 1}}
+        ).setup()
 
 
-@pytest.mark.parametrize("source, slices, message", [
-    ("arithmetic", {"a/b": {}}, r"data.val_slices\['a/b'\]=\{\}; expected a name without '/'"),
-    ("arithmetic", {"1-digit": {"digits": 1, "ops": "+"}},
-     r"data.val_slices\['1-digit'\]=.*every question it generates is also a training prompt"),
-])
+@pytest.mark.parametrize(
+    "source, slices, message",
+    [
+        ("arithmetic", {"a/b": {}}, r"data.val_slices\['a/b'\]=\{\}; expected a name without '/'"),
+        (
+            "arithmetic",
+            {"1-digit": {"digits": 1, "ops": "+"}},
+            r"data.val_slices\['1-digit'\]=.*every question it generates is also a training prompt",
+        ),
+    ],
+)
 def test_bad_slices_are_refused_before_any_compute(source, slices, message):
     with pytest.raises(ValueError, match=message):
-        OnPolicyDataModule(source=source, task_args={"digits": 1, "ops": "+"}, train_size=96, val_size=4,
-                           val_slices=slices).setup()
+        OnPolicyDataModule(
+            source=source, task_args={"digits": 1, "ops": "+"}, train_size=96, val_size=4, val_slices=slices
+        ).setup()
 
 
 def test_slices_of_a_quickstart_config_on_ones_own_file_are_ignored_with_a_warning(tmp_path):
@@ -93,13 +104,29 @@ def test_slices_of_a_quickstart_config_on_ones_own_file_are_ignored_with_a_warni
 def test_fit_logs_each_slice_before_and_during_training_and_eval_scores_them(tiny_model_dir, tmp_path, capsys):
     """The real CLI (progress bar and CSV logger on): each slice is scored at step 0 and at every validation."""
     slices = json.dumps(SLICE)
-    common = [f"--model.policy.name_or_path={tiny_model_dir}", "--data.val_size=4", "--data.train_size=16",
-              "--data.prompts_per_epoch=2", "--data.batch_size=4", "--data.sampling.group_size=2",
-              "--data.sampling.max_new_tokens=4", f"--data.val_slices={slices}"]
-    main(["fit", "--trainer.accelerator=cpu", "--trainer.max_epochs=2", "--trainer.reload_dataloaders_every_n_epochs=1",
-          "--trainer.num_sanity_val_steps=0", f"--trainer.default_root_dir={tmp_path}",
-          "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.save_dir={tmp_path}",
-          *common])
+    common = [
+        f"--model.policy.name_or_path={tiny_model_dir}",
+        "--data.val_size=4",
+        "--data.train_size=16",
+        "--data.prompts_per_epoch=2",
+        "--data.batch_size=4",
+        "--data.sampling.group_size=2",
+        "--data.sampling.max_new_tokens=4",
+        f"--data.val_slices={slices}",
+    ]
+    main(
+        [
+            "fit",
+            "--trainer.accelerator=cpu",
+            "--trainer.max_epochs=2",
+            "--trainer.reload_dataloaders_every_n_epochs=1",
+            "--trainer.num_sanity_val_steps=0",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+            f"--trainer.logger.save_dir={tmp_path}",
+            *common,
+        ]
+    )
     out = capsys.readouterr().out + capsys.readouterr().err
     with open(next(Path(tmp_path).rglob("metrics.csv"))) as f:
         rows = list(csv.DictReader(f))

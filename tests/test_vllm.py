@@ -22,6 +22,8 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import load_file
+from test_chaos import fit_command, run
+from test_module import length_reward
 
 from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.data.grpo import OnPolicyDataModule
@@ -31,8 +33,6 @@ from lit_grpo.generation.native import NativeEngine
 from lit_grpo.generation.rollout import SamplingSpec, encode_prompts
 from lit_grpo.model.logprob_passes import completion_logprobs
 from lit_grpo.model.policy import LoraSpec, PolicySpec
-from test_chaos import fit_command, run
-from test_module import length_reward
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -47,10 +47,20 @@ def model_dir(tmp_path_factory, embedded_dir) -> str:
     folder = tmp_path_factory.mktemp("tiny-llama-64")
     tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                         tie_word_embeddings=True, initializer_range=0.2, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     model = LlamaForCausalLM(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(folder)
@@ -59,18 +69,36 @@ def model_dir(tmp_path_factory, embedded_dir) -> str:
 
 
 def make(model_dir, **generation):
-    module = GRPOModule(policy=PolicySpec(name_or_path=model_dir, dtype="float32", lora=LoraSpec(r=8)),
-                        progress=False, optimizer=lambda p: torch.optim.AdamW(p, lr=2e-2),
-                        generation=GenerationSpec(backend="vllm", **generation))
-    data = OnPolicyDataModule(prompts_per_epoch=2, batch_size=8, val_size=4, train_size=40, val_batch_size=4,
-                              sampling=SamplingSpec(group_size=4, max_new_tokens=12), rewards=[length_reward])
+    module = GRPOModule(
+        policy=PolicySpec(name_or_path=model_dir, dtype="float32", lora=LoraSpec(r=8)),
+        progress=False,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=2e-2),
+        generation=GenerationSpec(backend="vllm", **generation),
+    )
+    data = OnPolicyDataModule(
+        prompts_per_epoch=2,
+        batch_size=8,
+        val_size=4,
+        train_size=40,
+        val_batch_size=4,
+        sampling=SamplingSpec(group_size=4, max_new_tokens=12),
+        rewards=[length_reward],
+    )
     return module, data
 
 
 def trainer(root, epochs, **options):
-    settings = dict(max_epochs=epochs, reload_dataloaders_every_n_epochs=1, accelerator="cpu", logger=False,
-                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                    default_root_dir=root, num_sanity_val_steps=0)
+    settings = dict(
+        max_epochs=epochs,
+        reload_dataloaders_every_n_epochs=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        num_sanity_val_steps=0,
+    )
     return L.Trainer(**{**settings, **options})
 
 
@@ -81,13 +109,21 @@ class CompareEngines(L.Callback):
         data = trainer.datamodule
         ids, mask = data.encode(data.train_rows[:4] + data.val_rows)
         native = NativeEngine(GenerationSpec(), module)
-        self.greedy = (module.engine.generate(ids, mask, data.sampling, greedy=True),
-                       native.generate(ids, mask, data.sampling, greedy=True))
+        self.greedy = (
+            module.engine.generate(ids, mask, data.sampling, greedy=True),
+            native.generate(ids, mask, data.sampling, greedy=True),
+        )
         self.sampled = module.engine.generate(ids, mask, data.sampling)
         r = self.sampled
         with torch.no_grad():
-            self.trainer_logprobs = completion_logprobs(module.policy, r.prompt_ids, r.prompt_mask, r.completion_ids,
-                                                        r.completion_mask, temperature=data.sampling.temperature)[0]
+            self.trainer_logprobs = completion_logprobs(
+                module.policy,
+                r.prompt_ids,
+                r.prompt_mask,
+                r.completion_ids,
+                r.completion_mask,
+                temperature=data.sampling.temperature,
+            )[0]
         self.steps, self.rng = trainer.global_step, torch.get_rng_state()
 
 
@@ -128,8 +164,11 @@ def test_engine_start_leaves_rng_and_threads_alone(model_dir):
     torch.set_num_threads(1)
     assert torch.get_num_threads() == 1  # vLLM's CPU worker had made this a no-op
     torch.set_num_threads(threads)
-    with pytest.raises(ValueError, match=r"needs \d+ tokens, more than the vLLM engine's context of \d+; raise "
-                                         r"model.generation.max_model_len"):
+    with pytest.raises(
+        ValueError,
+        match=r"needs \d+ tokens, more than the vLLM engine's context of \d+; raise "
+        r"model.generation.max_model_len",
+    ):
         module.engine.generate(ids, mask, SamplingSpec(max_new_tokens=10_000), greedy=True)
     module.engine.close()
 
@@ -156,17 +195,51 @@ def test_ddp_two_ranks_one_engine_each(tmp_path, model_dir):
     root = tmp_path / "run"
     args = [
         # the console script of this environment
-        str(Path(sys.executable).parent / "lit-grpo"), "fit", "--config", "configs/quickstart.yaml",
-        "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp",
-        "--trainer.max_epochs", "2", "--trainer.check_val_every_n_epoch", "1",
-        "--trainer.default_root_dir", str(root), "--trainer.logger.init_args.save_dir", str(root),
-        "--model.policy.name_or_path", model_dir, "--model.policy.dtype", "float32",
-        "--model.generation.backend", "vllm",
-        "--data.prompts_per_epoch", "2", "--data.batch_size", "8", "--data.val_size", "4",
-        "--data.sampling.max_new_tokens", "8",
-        "--data.rewards", json.dumps([{"class_path": "lit_grpo.rewards.FromCallable",
-                                       "init_args": {"function": "distributed_worker.text_length"}}]),
-        "--export_adapter", str(root / "adapter"), "--collective_timeout", "120",
+        str(Path(sys.executable).parent / "lit-grpo"),
+        "fit",
+        "--config",
+        "configs/quickstart.yaml",
+        "--trainer.accelerator",
+        "cpu",
+        "--trainer.devices",
+        "2",
+        "--trainer.strategy",
+        "ddp",
+        "--trainer.max_epochs",
+        "2",
+        "--trainer.check_val_every_n_epoch",
+        "1",
+        "--trainer.default_root_dir",
+        str(root),
+        "--trainer.logger.init_args.save_dir",
+        str(root),
+        "--model.policy.name_or_path",
+        model_dir,
+        "--model.policy.dtype",
+        "float32",
+        "--model.generation.backend",
+        "vllm",
+        "--data.prompts_per_epoch",
+        "2",
+        "--data.batch_size",
+        "8",
+        "--data.val_size",
+        "4",
+        "--data.sampling.max_new_tokens",
+        "8",
+        "--data.rewards",
+        json.dumps(
+            [
+                {
+                    "class_path": "lit_grpo.rewards.FromCallable",
+                    "init_args": {"function": "distributed_worker.text_length"},
+                }
+            ]
+        ),
+        "--export_adapter",
+        str(root / "adapter"),
+        "--collective_timeout",
+        "120",
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(args, cwd=ROOT, env=env, text=True, capture_output=True, timeout=600)
@@ -186,9 +259,18 @@ def test_sigkilled_vllm_run_resumes_to_the_same_adapter(tmp_path, model_dir):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     assert run(fit_command(model_dir, straight, *vllm)).returncode == 0
     for phase, epoch, index in (("backward", 0, 1), ("backward", 1, 0)):
-        result = run(fit_command(model_dir, killed, *vllm, "--ckpt_path=last", "--trainer.callbacks+=chaos.Chaos",
-                                 f"--trainer.callbacks.phase={phase}", f"--trainer.callbacks.epoch={epoch}",
-                                 f"--trainer.callbacks.index={index}"))
+        result = run(
+            fit_command(
+                model_dir,
+                killed,
+                *vllm,
+                "--ckpt_path=last",
+                "--trainer.callbacks+=chaos.Chaos",
+                f"--trainer.callbacks.phase={phase}",
+                f"--trainer.callbacks.epoch={epoch}",
+                f"--trainer.callbacks.index={index}",
+            )
+        )
         assert result.returncode == -9, f"{phase} {epoch} {index} did not strike:\n{result.stderr[-3000:]}"
     result = run(fit_command(model_dir, killed, *vllm, "--ckpt_path=last"))
     assert result.returncode == 0, result.stderr[-3000:]

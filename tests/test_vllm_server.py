@@ -49,11 +49,32 @@ def start_server(folder, lora: bool = True):
     if lora:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     with open(log, "w") as out:
-        process = subprocess.Popen([PYTHON, "-m", "vllm.entrypoints.openai.api_server",
-                                    "--model", str(embedded_model_dir()), "--host", "127.0.0.1", "--port", str(port),
-                                    "--dtype", "float32", *flags, "--max-model-len", "1024", "--enforce-eager",
-                                    "--logprobs-mode", "processed_logprobs", "--seed", "0"],
-                                   env=env, stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            [
+                PYTHON,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(embedded_model_dir()),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--dtype",
+                "float32",
+                *flags,
+                "--max-model-len",
+                "1024",
+                "--enforce-eager",
+                "--logprobs-mode",
+                "processed_logprobs",
+                "--seed",
+                "0",
+            ],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 420
     while time.monotonic() < deadline:
@@ -118,14 +139,30 @@ def test_greedy_answers_equal_the_native_engines_and_each_version_is_a_new_adapt
 
 
 def test_a_fit_samples_on_the_server_one_step_ahead(server, tmp_path):
-    module = GRPOModule(policy=PolicySpec(lora=LoraSpec(r=16, alpha=32)), progress=False,
-                        validate_before_training=False,
-                        generation=GenerationSpec(backend="vllm_server", urls=[server]))
-    data = OnPolicyDataModule(train_size=40, val_size=4, prompts_per_epoch=2, batch_size=16, staleness=1,
-                              sampling=SamplingSpec(group_size=8, max_new_tokens=16))
-    trainer = L.Trainer(accelerator="cpu", max_epochs=3, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, limit_val_batches=0, reload_dataloaders_every_n_epochs=1,
-                        default_root_dir=tmp_path)
+    module = GRPOModule(
+        policy=PolicySpec(lora=LoraSpec(r=16, alpha=32)),
+        progress=False,
+        validate_before_training=False,
+        generation=GenerationSpec(backend="vllm_server", urls=[server]),
+    )
+    data = OnPolicyDataModule(
+        train_size=40,
+        val_size=4,
+        prompts_per_epoch=2,
+        batch_size=16,
+        staleness=1,
+        sampling=SamplingSpec(group_size=8, max_new_tokens=16),
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+        reload_dataloaders_every_n_epochs=1,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(module, data)
     metrics = trainer.callback_metrics
     assert float(metrics["rollout/staleness"]) == 1.0
@@ -135,10 +172,15 @@ def test_a_fit_samples_on_the_server_one_step_ahead(server, tmp_path):
 
 
 def test_a_server_of_another_base_model_is_refused_before_training(server, tiny_model_dir):
-    module = GRPOModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4)),
-                        generation=GenerationSpec(backend="vllm_server", urls=[server]))
-    with pytest.raises(ValueError, match=r"model.generation.urls\[0\]='http://127.0.0.1:\d+' serves .*, not "
-                                         r"model.policy.name_or_path="):
+    module = GRPOModule(
+        policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4)),
+        generation=GenerationSpec(backend="vllm_server", urls=[server]),
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"model.generation.urls\[0\]='http://127.0.0.1:\d+' serves .*, not "
+        r"model.policy.name_or_path=",
+    ):
         module.engine.check()
 
 
@@ -164,9 +206,14 @@ def test_greedy_episodes_on_the_server_equal_the_native_engines(server):
     for key in ("completion_ids", "completion_mask", "completion_attention"):
         assert torch.equal(getattr(episodes[1], key), getattr(episodes[0], key)), key
     assert [r.messages for r in episodes[1].episodes] == [r.messages for r in episodes[0].episodes]
-    sampled = remote.engine.generate(ids, mask, sampling, episodes=EpisodePlan(
-        [Toolbox([echo])] * 8, fmt, max_turns=2, max_episode_tokens=40), repeat=2,
-        generator=torch.Generator().manual_seed(0))
+    sampled = remote.engine.generate(
+        ids,
+        mask,
+        sampling,
+        episodes=EpisodePlan([Toolbox([echo])] * 8, fmt, max_turns=2, max_episode_tokens=40),
+        repeat=2,
+        generator=torch.Generator().manual_seed(0),
+    )
     mask = sampled.completion_mask.bool()  # the sampler's log-probs: < 0 where it sampled, 0 at tool tokens
     assert (sampled.logprobs[mask] <= 0).all() and (sampled.logprobs[~mask] == 0).all()
     remote.engine.close()
@@ -175,15 +222,33 @@ def test_greedy_episodes_on_the_server_equal_the_native_engines(server):
 def test_a_server_without_runtime_lora_loading_is_refused_before_training(tmp_path):
     process, url = start_server(tmp_path, lora=False)
     try:
-        module = GRPOModule(policy=PolicySpec(lora=LoraSpec(r=16, alpha=32)), progress=False,
-                            generation=GenerationSpec(backend="vllm_server", urls=[url]))
-        data = OnPolicyDataModule(train_size=20, val_size=4, prompts_per_epoch=2, batch_size=16,
-                                  sampling=SamplingSpec(group_size=8, max_new_tokens=8))
-        trainer = L.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, reload_dataloaders_every_n_epochs=1, default_root_dir=tmp_path)
-        with pytest.raises(ValueError, match=r"model.generation.urls\[0\]='http://127.0.0.1:\d+' did not load the "
-                                             r"adapter .*runtime LoRA loading is off there; start it with: "
-                                             r"VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"):
+        module = GRPOModule(
+            policy=PolicySpec(lora=LoraSpec(r=16, alpha=32)),
+            progress=False,
+            generation=GenerationSpec(backend="vllm_server", urls=[url]),
+        )
+        data = OnPolicyDataModule(
+            train_size=20,
+            val_size=4,
+            prompts_per_epoch=2,
+            batch_size=16,
+            sampling=SamplingSpec(group_size=8, max_new_tokens=8),
+        )
+        trainer = L.Trainer(
+            accelerator="cpu",
+            max_epochs=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            reload_dataloaders_every_n_epochs=1,
+            default_root_dir=tmp_path,
+        )
+        with pytest.raises(
+            ValueError,
+            match=r"model.generation.urls\[0\]='http://127.0.0.1:\d+' did not load the "
+            r"adapter .*runtime LoRA loading is off there; start it with: "
+            r"VLLM_ALLOW_RUNTIME_LORA_UPDATING=True",
+        ):
             trainer.fit(module, data)
         assert trainer.global_step == 0
     finally:
@@ -208,23 +273,43 @@ def test_a_server_that_dies_mid_run_stops_it_with_a_checkpoint_that_resumes(serv
 
     def run(url: str, callbacks: list, ckpt_path=None) -> L.Trainer:
         torch.manual_seed(0)
-        module = GRPOModule(policy=PolicySpec(lora=LoraSpec(r=16, alpha=32)), progress=False,
-                            validate_before_training=False,
-                            generation=GenerationSpec(backend="vllm_server", urls=[url], timeout=60))
-        data = OnPolicyDataModule(train_size=40, val_size=4, prompts_per_epoch=2, batch_size=16, staleness=staleness,
-                                  sampling=SamplingSpec(group_size=8, max_new_tokens=8))
-        checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "checkpoints", save_last=True,
-                                                          save_on_train_epoch_end=True)
-        trainer = L.Trainer(accelerator="cpu", max_epochs=4, logger=False, enable_progress_bar=False,
-                            limit_val_batches=0, reload_dataloaders_every_n_epochs=1, default_root_dir=tmp_path,
-                            callbacks=[checkpoints, *callbacks])
+        module = GRPOModule(
+            policy=PolicySpec(lora=LoraSpec(r=16, alpha=32)),
+            progress=False,
+            validate_before_training=False,
+            generation=GenerationSpec(backend="vllm_server", urls=[url], timeout=60),
+        )
+        data = OnPolicyDataModule(
+            train_size=40,
+            val_size=4,
+            prompts_per_epoch=2,
+            batch_size=16,
+            staleness=staleness,
+            sampling=SamplingSpec(group_size=8, max_new_tokens=8),
+        )
+        checkpoints = L.pytorch.callbacks.ModelCheckpoint(
+            dirpath=tmp_path / "checkpoints", save_last=True, save_on_train_epoch_end=True
+        )
+        trainer = L.Trainer(
+            accelerator="cpu",
+            max_epochs=4,
+            logger=False,
+            enable_progress_bar=False,
+            limit_val_batches=0,
+            reload_dataloaders_every_n_epochs=1,
+            default_root_dir=tmp_path,
+            callbacks=[checkpoints, *callbacks],
+        )
         trainer.fit(module, data, ckpt_path=ckpt_path)
         return trainer
 
     process, dying = start_server(tmp_path)
     started = time.monotonic()
-    with pytest.raises(ServerGone, match=r"model.generation.urls: the vLLM server at http://127.0.0.1:\d+ stopped "
-                                         r"answering .*resume from the last checkpoint"):
+    with pytest.raises(
+        ServerGone,
+        match=r"model.generation.urls: the vLLM server at http://127.0.0.1:\d+ stopped "
+        r"answering .*resume from the last checkpoint",
+    ):
         run(dying, [KillServer(process, epoch=1)])
     assert time.monotonic() - started < 600  # an error, not a hang
     last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)

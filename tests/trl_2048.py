@@ -62,8 +62,7 @@ class Game2048:
     def _can_move(self) -> bool:
         rows = self.board
         columns = [list(column) for column in zip(*rows)]
-        return any(0 in row for row in rows) or any(
-            line[i] == line[i + 1] for line in rows + columns for i in range(3))
+        return any(0 in row for row in rows) or any(line[i] == line[i + 1] for line in rows + columns for i in range(3))
 
     def _show(self) -> str:
         grid = "\n".join(" ".join(f"{tile:4d}" for tile in row) for row in self.board)

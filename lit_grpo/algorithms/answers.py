@@ -16,8 +16,9 @@ import torch
 from torchmetrics import MeanMetric
 
 
-def answer_rows(module: L.LightningModule, datamodule: L.LightningDataModule,
-                rows: list[dict]) -> tuple[list[str], list[float]]:
+def answer_rows(
+    module: L.LightningModule, datamodule: L.LightningDataModule, rows: list[dict]
+) -> tuple[list[str], list[float]]:
     """Greedy answers to ``rows`` (the completion prefix in front) and their validation scores,
     the policy in eval mode.
 
@@ -85,10 +86,14 @@ class BeforeAfterAnswers(L.Callback):
     def table(self) -> list[dict]:
         """One dict per prompt: ``prompt``, ``before``, ``before_score``, ``after``, ``after_score``."""
         return [
-            {"prompt": row["prompt"], "before": before, "before_score": before_score,
-             "after": after, "after_score": after_score}
-            for row, before, before_score, after, after_score
-            in zip(self.rows, *self.before, *self.after)
+            {
+                "prompt": row["prompt"],
+                "before": before,
+                "before_score": before_score,
+                "after": after,
+                "after_score": after_score,
+            }
+            for row, before, before_score, after, after_score in zip(self.rows, *self.before, *self.after)
         ]
 
     def to_markdown(self) -> str:
@@ -102,8 +107,10 @@ class BeforeAfterAnswers(L.Callback):
             "|---|---|---|",
         ]
         for r in table:
-            lines.append(f"| {_cell(r['prompt'])} | {_cell(r['before'])} ({r['before_score']:g}) "
-                         f"| {_cell(r['after'])} ({r['after_score']:g}) |")
+            lines.append(
+                f"| {_cell(r['prompt'])} | {_cell(r['before'])} ({r['before_score']:g}) "
+                f"| {_cell(r['after'])} ({r['after_score']:g}) |"
+            )
         return "\n".join(lines)
 
 

@@ -23,12 +23,12 @@ import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
-from lit_grpo.training.checkpointing import atomic_folder, atomic_sharded_saves, check_checkpoint
-from lit_grpo.training.distributed import full_tensors, reduce_across_ranks, shard
 from lit_grpo.model.policy import PolicySpec, build_policy, load_tokenizer
 from lit_grpo.model.refusals import constructed
-from lit_grpo.training.strategies import check_strategy
+from lit_grpo.training.checkpointing import atomic_folder, atomic_sharded_saves, check_checkpoint
+from lit_grpo.training.distributed import full_tensors, reduce_across_ranks, shard
 from lit_grpo.training.guard import NonFiniteGuard
+from lit_grpo.training.strategies import check_strategy
 
 if TYPE_CHECKING:
     from lit_grpo.generation import Engine
@@ -129,7 +129,8 @@ class PolicyModule(L.LightningModule):
     def configure_optimizers(self):
         params = self.optimizer_groups()
         optimizer = (
-            constructed("model.optimizer.init_args", self.optimizer_factory, params) if self.optimizer_factory
+            constructed("model.optimizer.init_args", self.optimizer_factory, params)
+            if self.optimizer_factory
             else torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0)
         )
         if self.scheduler_factory is None:
@@ -156,8 +157,14 @@ class PolicyModule(L.LightningModule):
             self._engine = None
 
     # ---------------------------------------------------------------- logging
-    def log_reduced(self, values: Mapping[str, float | torch.Tensor], weight: float = 1.0,
-                    op: str = "mean", prog_bar: bool = False, on_step: bool = False) -> tuple[dict[str, float], float]:
+    def log_reduced(
+        self,
+        values: Mapping[str, float | torch.Tensor],
+        weight: float = 1.0,
+        op: str = "mean",
+        prog_bar: bool = False,
+        on_step: bool = False,
+    ) -> tuple[dict[str, float], float]:
         """Log epoch metrics reduced over all ranks here and now (see :func:`reduce_across_ranks`).
 
         A collective: every rank calls it at the same point with the same keys;
@@ -174,8 +181,14 @@ class PolicyModule(L.LightningModule):
             return reduced, total
         for name in reduced:
             _silence_sync_advice(name)
-        self.log_dict(reduced, on_step=on_step, on_epoch=True, prog_bar=prog_bar, sync_dist=False,
-                      batch_size=max(int(round(total)), 1))
+        self.log_dict(
+            reduced,
+            on_step=on_step,
+            on_epoch=True,
+            prog_bar=prog_bar,
+            sync_dist=False,
+            batch_size=max(int(round(total)), 1),
+        )
         return reduced, total
 
     def lr_scheduler_step(self, scheduler, metric) -> None:

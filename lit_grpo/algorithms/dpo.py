@@ -22,10 +22,10 @@ from __future__ import annotations
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
-from lit_grpo.objectives import LossOutput, dpo_loss, sequence_logps
+from lit_grpo.algorithms.supervised import SupervisedModule
 from lit_grpo.model.logprob_passes import completion_logprobs
 from lit_grpo.model.policy import PolicySpec
-from lit_grpo.algorithms.supervised import SupervisedModule
+from lit_grpo.objectives import LossOutput, dpo_loss, sequence_logps
 
 
 class DPOModule(SupervisedModule):
@@ -82,8 +82,14 @@ class DPOModule(SupervisedModule):
         policy_logps = self.sequence_logps(self.policy, batch)  # [2B]
         policy_chosen, policy_rejected = policy_logps.chunk(2)  # [B], [B]
         ref_chosen, ref_rejected = ref_logps.chunk(2)  # [B], [B]
-        return dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected,
-                        beta=self.hparams.beta, label_smoothing=self.hparams.label_smoothing)
+        return dpo_loss(
+            policy_chosen,
+            policy_rejected,
+            ref_chosen,
+            ref_rejected,
+            beta=self.hparams.beta,
+            label_smoothing=self.hparams.label_smoothing,
+        )
 
     def sequence_logps(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Summed log-prob of each row's completion under ``model``: ``[2B]``."""

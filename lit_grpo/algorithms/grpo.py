@@ -128,15 +128,21 @@ class GRPOModule(OnPolicyModule):
         for name, value in (("epsilon_low", epsilon_low), ("epsilon_high", epsilon_high)):
             if value < 0:
                 raise ValueError(f"model.{name}={value}; expected >= 0.")
-        for name, value in (("sapo_temperature_pos", sapo_temperature_pos),
-                            ("sapo_temperature_neg", sapo_temperature_neg)):
+        for name, value in (
+            ("sapo_temperature_pos", sapo_temperature_pos),
+            ("sapo_temperature_neg", sapo_temperature_neg),
+        ):
             if not value > 0:
                 raise ValueError(f"model.{name}={value}; expected > 0.")
         if not 0 < top_entropy_quantile <= 1:
-            raise ValueError(f"model.top_entropy_quantile={top_entropy_quantile}; expected a fraction in (0, 1] "
-                             "(1.0 trains on every token).")
-        for name, value, choices in (("loss_type", loss_type, LOSS_TYPES),
-                                     ("importance_level", importance_level, IMPORTANCE_LEVELS)):
+            raise ValueError(
+                f"model.top_entropy_quantile={top_entropy_quantile}; expected a fraction in (0, 1] "
+                "(1.0 trains on every token)."
+            )
+        for name, value, choices in (
+            ("loss_type", loss_type, LOSS_TYPES),
+            ("importance_level", importance_level, IMPORTANCE_LEVELS),
+        ):
             if value not in choices:
                 raise ValueError(f"model.{name}={value!r}; expected one of {sorted(choices)}.")
 
@@ -166,9 +172,15 @@ class GRPOModule(OnPolicyModule):
             self._backward_start = time.perf_counter()
             return sum(p.sum() for p in self.trainable_parameters()) * 0.0  # keeps DDP/FSDP in step
         logprobs, entropy = completion_logprobs(
-            self.policy, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
-            batch["completion_mask"], temperature=batch["temperature"], with_entropy=True,
-            completion_attention=batch.get("completion_attention"), entropy_grad=hp.entropy_coef != 0,
+            self.policy,
+            batch["prompt_ids"],
+            batch["prompt_mask"],
+            batch["completion_ids"],
+            batch["completion_mask"],
+            temperature=batch["temperature"],
+            with_entropy=True,
+            completion_attention=batch.get("completion_attention"),
+            entropy_grad=hp.entropy_coef != 0,
         )  # [n, C]
         mask = batch["completion_mask"]
         old_logprobs = batch.get("old_logprobs", logprobs.detach())
@@ -213,7 +225,10 @@ class GRPOModule(OnPolicyModule):
         kl = ["kl"] if self.hparams.beta > 0 and not kl_in_rewards else []
         trained = ["entropy/trained_fraction"] if self.hparams.top_entropy_quantile < 1 else []
         return [f"train/{k}" for k in (*CLIP_METRICS, *kl, "entropy", *trained)] + [
-            "sampler/logprob_abs_diff", "sampler/kl", "sampler/is_capped_fraction"]
+            "sampler/logprob_abs_diff",
+            "sampler/kl",
+            "sampler/is_capped_fraction",
+        ]
 
     def _rows_with_gradient(self, batch: dict, kl_in_rewards: bool) -> tuple[dict | None, float]:
         """Drop the rows whose gradient is exactly zero; return the rest and the loss scale.
@@ -228,8 +243,12 @@ class GRPOModule(OnPolicyModule):
         no row is left. The logged training metrics then cover the kept rows.
         """
         hp = self.hparams
-        if (not hp.skip_zero_gradient_rows or (hp.beta > 0 and not kl_in_rewards) or hp.entropy_coef != 0
-                or hp.top_entropy_quantile < 1):
+        if (
+            not hp.skip_zero_gradient_rows
+            or (hp.beta > 0 and not kl_in_rewards)
+            or hp.entropy_coef != 0
+            or hp.top_entropy_quantile < 1
+        ):
             return batch, 1.0  # the KL or the entropy bonus trains every row; the quantile is over every row
         advantages = batch["advantages"]  # [n] or [n, C]
         keep = (advantages != 0).reshape(len(advantages), -1).any(-1)  # [n]
@@ -244,6 +263,7 @@ class GRPOModule(OnPolicyModule):
             scale = float(mask[keep].sum() / mask.sum().clamp(min=1))
         else:
             scale = float(keep.sum()) / len(keep)
-        kept = {k: v[keep] if torch.is_tensor(v) and v.dim() > 0 and len(v) == len(keep) else v
-                for k, v in batch.items()}
+        kept = {
+            k: v[keep] if torch.is_tensor(v) and v.dim() > 0 and len(v) == len(keep) else v for k, v in batch.items()
+        }
         return kept, scale

@@ -92,8 +92,9 @@ class OnPolicyModule(PolicyModule):
         return tqdm(desc=description, total=total, unit="step", leave=False, dynamic_ncols=True)
 
     @torch.no_grad()
-    def rollout_logprobs(self, rows: dict, temperature: float, reference: bool,
-                         batch_size: int | None = None) -> torch.Tensor:
+    def rollout_logprobs(
+        self, rows: dict, temperature: float, reference: bool, batch_size: int | None = None
+    ) -> torch.Tensor:
         """Log-probs of rollout completions without grad: ``[N, C]``, ``batch_size`` rows per pass
         (``None``: all at once).
 
@@ -103,8 +104,9 @@ class OnPolicyModule(PolicyModule):
         with self.reference_model() if reference else contextlib.nullcontext(self.policy) as model:
             was_training = model.training
             model.eval()
-            logprobs = self.score_rollout(rows, lambda **part: completion_logprobs(
-                model, **part, temperature=temperature)[0], batch_size)
+            logprobs = self.score_rollout(
+                rows, lambda **part: completion_logprobs(model, **part, temperature=temperature)[0], batch_size
+            )
             model.train(was_training)
         return logprobs
 
@@ -172,7 +174,9 @@ class OnPolicyModule(PolicyModule):
     def setup(self, stage: str) -> None:
         super().setup(stage)
         if self.EPISODES_REFUSED and getattr(self.trainer.datamodule, "episodes", None) is not None:
-            raise ValueError(f"data.episodes.tools / data.episodes.environment with {type(self).__name__}: {self.EPISODES_REFUSED}")
+            raise ValueError(
+                f"data.episodes.tools / data.episodes.environment with {type(self).__name__}: {self.EPISODES_REFUSED}"
+            )
         sets = len(self.trainer.datamodule.val_sets()) if self.trainer.datamodule is not None else 1
         self.val_accuracy.extend(MeanMetric() for _ in range(sets - len(self.val_accuracy)))
 
@@ -222,14 +226,23 @@ class OnPolicyModule(PolicyModule):
         metric = self.val_accuracy[dataloader_idx]
         metric.update(scores.to(self.device))
         name = list(self.trainer.datamodule.val_sets())[dataloader_idx]
-        self.log(name, metric, on_step=False, on_epoch=True, prog_bar=True, batch_size=len(completions),
-                 add_dataloader_idx=False, metric_attribute=f"val_accuracy.{dataloader_idx}")
+        self.log(
+            name,
+            metric,
+            on_step=False,
+            on_epoch=True,
+            prog_bar=True,
+            batch_size=len(completions),
+            add_dataloader_idx=False,
+            metric_attribute=f"val_accuracy.{dataloader_idx}",
+        )
 
     def answer(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, episodes=None) -> list[str]:
         """Greedy completions of left-padded prompts (what validation scores); with ``episodes``
         (an :class:`~lit_grpo.generation.episodes.EpisodePlan`) greedy episodes' final answers."""
-        return self.engine.generate(prompt_ids, prompt_mask, self.trainer.datamodule.sampling, greedy=True,
-                                    episodes=episodes).texts
+        return self.engine.generate(
+            prompt_ids, prompt_mask, self.trainer.datamodule.sampling, greedy=True, episodes=episodes
+        ).texts
 
 
 def _accuracies(values: dict[str, float]) -> str:

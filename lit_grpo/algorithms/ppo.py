@@ -43,15 +43,15 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from lit_grpo.model.adapters import active_adapter, kept_requires_grad
 from lit_grpo.algorithms.on_policy import SCORED_KEYS, OnPolicyModule
-from lit_grpo.training.distributed import full_tensors, shard
 from lit_grpo.generation import GenerationSpec
+from lit_grpo.model.adapters import active_adapter, kept_requires_grad
 from lit_grpo.model.logprob_passes import completion_hidden_states, completion_logprobs
+from lit_grpo.model.policy import PolicySpec, build_policy, load_tokenizer
 from lit_grpo.objectives import ppo_loss
 from lit_grpo.objectives.grpo import CLIP_METRICS
 from lit_grpo.objectives.ppo import VALUE_METRICS
-from lit_grpo.model.policy import PolicySpec, build_policy, load_tokenizer
+from lit_grpo.training.distributed import full_tensors, shard
 
 ACTOR, CRITIC = "default", "critic"  # peft adapter names; CRITIC also names the critic's export folder
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -95,9 +95,11 @@ class PPOModule(OnPolicyModule):
     """
 
     ADVANTAGE_ESTIMATORS = ("gae",)
-    EPISODES_REFUSED = ("its critic's GAE runs over every completion position, tool tokens included, and is "
-                        "not defined on the policy's turns alone yet; train tools with GRPOModule "
-                        "(data.advantage_estimator grpo, rloo or reinforce_pp).")
+    EPISODES_REFUSED = (
+        "its critic's GAE runs over every completion position, tool tokens included, and is "
+        "not defined on the policy's turns alone yet; train tools with GRPOModule "
+        "(data.advantage_estimator grpo, rloo or reinforce_pp)."
+    )
     merges_for_generation = False  # rollouts decode through the actor adapter, see the module docstring
 
     def __init__(
@@ -126,17 +128,24 @@ class PPOModule(OnPolicyModule):
             raise ValueError(f"model.loss_type={loss_type!r}; expected one of ['bnpo', 'dr_grpo', 'grpo'].")
         super().__init__(policy, optimizer, scheduler, max_nonfinite_steps, generation)
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
-        for name, value in (("vf_coef", vf_coef), ("value_clip", value_clip), ("kl_coef", kl_coef),
-                            ("epsilon_low", epsilon_low), ("epsilon_high", epsilon_high)):
+        for name, value in (
+            ("vf_coef", vf_coef),
+            ("value_clip", value_clip),
+            ("kl_coef", kl_coef),
+            ("epsilon_low", epsilon_low),
+            ("epsilon_high", epsilon_high),
+        ):
             if not value >= 0:
                 raise ValueError(f"model.{name}={value}; expected >= 0.")
         for name, value in (("gamma", gamma), ("lam", lam)):
             if not 0 <= value <= 1:
                 raise ValueError(f"model.{name}={value}; expected a value in [0, 1].")
         if critic is None and self.spec.lora is None:
-            raise ValueError("PPOModule needs model.policy.lora for its default critic, a second LoRA adapter "
-                             "on the policy's frozen base; or set model.critic (a policy spec) to train a "
-                             "separate critic model.")
+            raise ValueError(
+                "PPOModule needs model.policy.lora for its default critic, a second LoRA adapter "
+                "on the policy's frozen base; or set model.critic (a policy spec) to train a "
+                "separate critic model."
+            )
         if critic is not None:
             _check_same_tokenizer(critic, self.tokenizer, self.spec)
             self.merges_for_generation = True  # the actor holds a single adapter, which merges
@@ -212,8 +221,9 @@ class PPOModule(OnPolicyModule):
         ``batch_size`` rows per pass (``None``: all at once)."""
         was_training = self.training
         self.eval()
-        values = self.score_rollout(rows, lambda **part: self.critic_values(**part) * part["completion_mask"],
-                                    batch_size)
+        values = self.score_rollout(
+            rows, lambda **part: self.critic_values(**part) * part["completion_mask"], batch_size
+        )
         self.train(was_training)
         return values
 
@@ -249,22 +259,32 @@ class PPOModule(OnPolicyModule):
         self._log_rollout_stats(batch)
         start = time.perf_counter()
         scored = {k: batch[k] for k in SCORED_KEYS}
-        logprobs, entropy = completion_logprobs(self.policy, **scored, temperature=batch["temperature"],
-                                                with_entropy=True)  # [n, C]
+        logprobs, entropy = completion_logprobs(
+            self.policy, **scored, temperature=batch["temperature"], with_entropy=True
+        )  # [n, C]
         values = self.critic_values(**scored)  # [n, C]
         mask = batch["completion_mask"]
         result = ppo_loss(
-            logprobs, batch.get("old_logprobs", logprobs.detach()), batch["advantages"], mask,
-            values, batch["values"], batch["returns"],
-            epsilon_low=hp.epsilon_low, epsilon_high=hp.epsilon_high, value_clip=hp.value_clip,
-            vf_coef=hp.vf_coef, loss_type=hp.loss_type,
+            logprobs,
+            batch.get("old_logprobs", logprobs.detach()),
+            batch["advantages"],
+            mask,
+            values,
+            batch["values"],
+            batch["returns"],
+            epsilon_low=hp.epsilon_low,
+            epsilon_high=hp.epsilon_high,
+            value_clip=hp.value_clip,
+            vf_coef=hp.vf_coef,
+            loss_type=hp.loss_type,
             max_completion_length=hp.max_completion_length or batch["max_new_tokens"],
         )
         self._add_time("policy_forward", time.perf_counter() - start)
         metrics = {f"train/{k}": v for k, v in result.metrics.items()}
         metrics["train/entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
-        self._log_step({name: metrics[name] for name in self._step_metric_names(True)}, result.loss.detach(),
-                       rows=mask.shape[0])
+        self._log_step(
+            {name: metrics[name] for name in self._step_metric_names(True)}, result.loss.detach(), rows=mask.shape[0]
+        )
         self._backward_start = time.perf_counter()
         return result.loss
 

@@ -38,12 +38,12 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from lit_grpo.algorithms.supervised import SupervisedModule
-from lit_grpo.training.distributed import full_tensors, gathered
 from lit_grpo.generation.merged import merged_weights
-from lit_grpo.objectives import LossOutput, bradley_terry_loss
 from lit_grpo.model.logprob_passes import cache_rows, final_hidden_states
 from lit_grpo.model.policy import PolicySpec, build_policy
+from lit_grpo.objectives import LossOutput, bradley_terry_loss
 from lit_grpo.rewards.reward_model import ADAPTER_DIR, BASE_FILE, HEAD_FILE, backbone_scores
+from lit_grpo.training.distributed import full_tensors, gathered
 
 
 class RewardModelModule(SupervisedModule):
@@ -94,10 +94,13 @@ class RewardModelModule(SupervisedModule):
             raise ValueError(f"model.head_lr={head_lr!r}; expected a learning rate > 0, or null for the optimizer's.")
         if not suffix_weight >= 0:
             raise ValueError(f"model.suffix_weight={suffix_weight!r}; expected a weight >= 0 (0: the last token only).")
-        if suffix_stages is not None and not (isinstance(suffix_stages, list) and all(
-                type(i) is int and i >= 0 for i in suffix_stages)):
-            raise ValueError(f"model.suffix_stages={suffix_stages!r}; expected a list of data.curriculum stage "
-                             "indices (0 is the first stage), or null for every batch.")
+        if suffix_stages is not None and not (
+            isinstance(suffix_stages, list) and all(type(i) is int and i >= 0 for i in suffix_stages)
+        ):
+            raise ValueError(
+                f"model.suffix_stages={suffix_stages!r}; expected a list of data.curriculum stage "
+                "indices (0 is the first stage), or null for every batch."
+            )
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self.reward_head: nn.Linear | None = None
 
@@ -117,17 +120,19 @@ class RewardModelModule(SupervisedModule):
     def optimizer_groups(self) -> list:
         if self.hparams.head_lr is None:
             return self.trainable_parameters()
-        return [{"params": super().trainable_parameters()},
-                {"params": list(self.reward_head.parameters()), "lr": self.hparams.head_lr}]
+        return [
+            {"params": super().trainable_parameters()},
+            {"params": list(self.reward_head.parameters()), "lr": self.hparams.head_lr},
+        ]
 
     def scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """``[N]`` float32 reward of each conversation."""
-        return backbone_scores(self.policy, self.reward_head, input_ids, attention_mask,
-                               self.tokenizer.pad_token_id)
+        return backbone_scores(self.policy, self.reward_head, input_ids, attention_mask, self.tokenizer.pad_token_id)
 
     def batch_loss(self, batch: dict) -> LossOutput:
-        every, lengths = suffix_scores(self.policy, self.reward_head, batch["input_ids"], batch["attention_mask"],
-                                       self.tokenizer.pad_token_id)  # [2B, S], [2B]: each pair's prefix run once
+        every, lengths = suffix_scores(
+            self.policy, self.reward_head, batch["input_ids"], batch["attention_mask"], self.tokenizer.pad_token_id
+        )  # [2B, S], [2B]: each pair's prefix run once
         return pair_loss(every, lengths, self.suffix_weight())
 
     def suffix_weight(self) -> float:
@@ -158,9 +163,12 @@ class RewardModelModule(SupervisedModule):
         write_adapter = super().export_writer() if self.spec.lora is not None else None
         classifier = None
         if self.spec.load_in_4bit:
-            warnings.warn(f"the sequence-classification export needs unquantized weights (these are 4-bit), so "
-                          f"only {ADAPTER_DIR}/ is written: adapter + head, which RewardModel(shared_base=true) "
-                          "loads.", stacklevel=2)
+            warnings.warn(
+                f"the sequence-classification export needs unquantized weights (these are 4-bit), so "
+                f"only {ADAPTER_DIR}/ is written: adapter + head, which RewardModel(shared_base=true) "
+                "loads.",
+                stacklevel=2,
+            )
         else:
             with gathered(self.policy):  # whole weights on every rank for a moment (a collective)
                 if self.global_rank == 0:
@@ -172,8 +180,11 @@ class RewardModelModule(SupervisedModule):
                 adapter.mkdir()
                 write_adapter(adapter)
                 save_file({k: v.contiguous() for k, v in head.items()}, adapter / HEAD_FILE)
-                base = {"name_or_path": self.spec.name_or_path, "init_adapter": self.spec.init_adapter,
-                        "policy": dataclasses.asdict(self.spec)}
+                base = {
+                    "name_or_path": self.spec.name_or_path,
+                    "init_adapter": self.spec.init_adapter,
+                    "policy": dataclasses.asdict(self.spec),
+                }
                 (adapter / BASE_FILE).write_text(json.dumps(base, indent=2))
             if classifier is not None:
                 classifier.save_pretrained(folder)
@@ -191,21 +202,26 @@ class RewardModelModule(SupervisedModule):
         config.num_labels, config.pad_token_id, config.architectures = 1, self.tokenizer.pad_token_id, None
         model = AutoModelForSequenceClassification.from_config(config, dtype=self.spec.torch_dtype)
         prefix = model.base_model_prefix + "."
-        weights = {k[len(prefix):]: v.cpu() for k, v in merged_weights(self.policy).items() if k.startswith(prefix)}
+        weights = {k[len(prefix) :]: v.cpu() for k, v in merged_weights(self.policy).items() if k.startswith(prefix)}
         missing, _ = getattr(model, model.base_model_prefix).load_state_dict(weights, strict=False)
         if missing:
-            raise ValueError(f"cannot export the reward model as {type(model).__name__}: its backbone has weights "
-                             f"the policy lacks, e.g. {missing[0]}; use the adapter + head export instead.")
+            raise ValueError(
+                f"cannot export the reward model as {type(model).__name__}: its backbone has weights "
+                f"the policy lacks, e.g. {missing[0]}; use the adapter + head export instead."
+            )
         score = getattr(model, "score", None)
         if not isinstance(score, nn.Linear) or score.weight.shape != head_weight.shape:
-            raise ValueError(f"cannot export the reward model as {type(model).__name__}: it has no one-output "
-                             "'score' head; use the adapter + head export instead.")
+            raise ValueError(
+                f"cannot export the reward model as {type(model).__name__}: it has no one-output "
+                "'score' head; use the adapter + head export instead."
+            )
         score.weight.copy_(head_weight.to(score.weight.dtype))
         return model
 
 
-def pair_scores(model: nn.Module, head: nn.Linear, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                pad_token_id: int | None) -> torch.Tensor:
+def pair_scores(
+    model: nn.Module, head: nn.Linear, input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id: int | None
+) -> torch.Tensor:
     """:func:`~lit_grpo.rewards.reward_model.backbone_scores` of B pairs, the tokens rows share run once.
 
     ``input_ids``/``attention_mask`` ``[2B, T]`` are right-padded conversations, chosen first
@@ -228,8 +244,10 @@ def pair_loss(every: torch.Tensor, lengths: torch.Tensor, suffix_weight: float =
     (chosen, rejected), (chosen_lengths, rejected_lengths) = every.chunk(2), lengths.chunk(2)  # [B, S], [B]
     both = torch.arange(every.shape[1], device=every.device) < torch.minimum(chosen_lengths, rejected_lengths)[:, None]
     tokens = bradley_terry_loss(chosen[both], rejected[both])  # [B, S] -> the tokens both replies have
-    return LossOutput(loss=result.loss + suffix_weight * tokens.loss,
-                      metrics={**result.metrics, "suffix_accuracy": tokens.metrics["accuracy"]})
+    return LossOutput(
+        loss=result.loss + suffix_weight * tokens.loss,
+        metrics={**result.metrics, "suffix_accuracy": tokens.metrics["accuracy"]},
+    )
 
 
 def last_scores(every: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -237,8 +255,9 @@ def last_scores(every: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return every[torch.arange(len(every), device=every.device), lengths - 1]
 
 
-def suffix_scores(model: nn.Module, head: nn.Linear, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                  pad_token_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def suffix_scores(
+    model: nn.Module, head: nn.Linear, input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The head's score at every token of each row from its pair's first differing token on.
 
     A pair's conversations agree up to the reply's first differing token (system prompt,
@@ -269,8 +288,9 @@ def suffix_scores(model: nn.Module, head: nn.Linear, input_ids: torch.Tensor, at
     offsets = torch.arange(int(suffix_lengths.max()), device=input_ids.device)  # [S]
     source = (shared[rows][:, None] + offsets).clamp(max=input_ids.shape[1] - 1)  # [2B, S]
     suffix_mask = (offsets < suffix_lengths[:, None]).long()  # [2B, S]
-    full_pass = any(getattr(m, "gradient_checkpointing", False) is True or isinstance(m, FSDPModule)
-                    for m in model.modules())
+    full_pass = any(
+        getattr(m, "gradient_checkpointing", False) is True or isinstance(m, FSDPModule) for m in model.modules()
+    )
     if full_pass or int(shared.max()) == 0:
         hidden = final_hidden_states(model, input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         hidden = hidden.gather(1, source[..., None].expand(-1, -1, hidden.shape[-1]))  # [2B, S, H]
@@ -279,14 +299,19 @@ def suffix_scores(model: nn.Module, head: nn.Linear, input_ids: torch.Tensor, at
         cache, prefix_mask = _prefix_cache(model, input_ids, attention_mask, shared, pad)  # [B, P] mask
         suffix_ids = input_ids.gather(1, source).masked_fill(suffix_mask == 0, pad)  # [2B, S]
         hidden = final_hidden_states(
-            model, input_ids=suffix_ids, attention_mask=torch.cat([prefix_mask[rows], suffix_mask], dim=1),
-            position_ids=shared[rows][:, None] + offsets, **with_cache(cache_rows(cache, rows)),
-            use_cache=True)  # [2B, S, H]
+            model,
+            input_ids=suffix_ids,
+            attention_mask=torch.cat([prefix_mask[rows], suffix_mask], dim=1),
+            position_ids=shared[rows][:, None] + offsets,
+            **with_cache(cache_rows(cache, rows)),
+            use_cache=True,
+        )  # [2B, S, H]
     return head(hidden.to(head.weight.dtype)).squeeze(-1).float(), suffix_lengths
 
 
-def _prefix_cache(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, shared: torch.Tensor,
-                  pad: int):
+def _prefix_cache(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, shared: torch.Tensor, pad: int
+):
     """The key/value cache of each pair's first ``shared`` tokens, ``[B, P]`` rows, and its mask.
 
     The first ``C`` tokens, which every conversation shares, run once and are repeated for the B
@@ -301,8 +326,14 @@ def _prefix_cache(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
     C, P = min(int(agree.min()), int(shared.min())), int(shared.max())
     cache = DynamicCache()
     if C > 0:
-        final_hidden_states(model, input_ids=input_ids[:1, :C], attention_mask=attention_mask[:1, :C],
-                            position_ids=torch.arange(C, device=device)[None], **with_cache(cache), use_cache=True)
+        final_hidden_states(
+            model,
+            input_ids=input_ids[:1, :C],
+            attention_mask=attention_mask[:1, :C],
+            position_ids=torch.arange(C, device=device)[None],
+            **with_cache(cache),
+            use_cache=True,
+        )
         one = torch.zeros(B, dtype=torch.long, device=device)
         for layer in cache.layers:  # the batch's prefix for every pair; its gradients sum back (index_add_)
             layer.keys, layer.values = layer.keys.index_select(0, one), layer.values.index_select(0, one)
@@ -310,7 +341,12 @@ def _prefix_cache(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
     mask = torch.cat([attention_mask[:B, :C], (column >= 0).long()], dim=1)  # [B, P]
     if P > C:
         ids = input_ids[:B].gather(1, (C + column).clamp(min=0)).masked_fill(column < 0, pad)  # [B, P - C]
-        final_hidden_states(model, input_ids=ids, attention_mask=mask,
-                            position_ids=C + (mask[:, C:].cumsum(-1) - 1).clamp(min=0), **with_cache(cache),
-                            use_cache=True)
+        final_hidden_states(
+            model,
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=C + (mask[:, C:].cumsum(-1) - 1).clamp(min=0),
+            **with_cache(cache),
+            use_cache=True,
+        )
     return cache, mask

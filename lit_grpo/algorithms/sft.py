@@ -25,8 +25,8 @@ from lit_grpo.algorithms.supervised import SupervisedModule
 from lit_grpo.generation import GenerationSpec, build_engine
 from lit_grpo.generation.rollout import SamplingSpec
 from lit_grpo.model.logprob_passes import completion_logprobs
-from lit_grpo.objectives import LossOutput, sft_loss
 from lit_grpo.model.policy import PolicySpec
+from lit_grpo.objectives import LossOutput, sft_loss
 
 _SCORED = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
 
@@ -76,4 +76,3 @@ class SFTModule(SupervisedModule):
             self._engine = build_engine(GenerationSpec(), self)
         sampling = SamplingSpec(group_size=1, max_new_tokens=self.trainer.datamodule.hparams.val_max_new_tokens)
         return self._engine.generate(prompt_ids, prompt_mask, sampling, greedy=True).texts
-

@@ -70,8 +70,16 @@ class EpochSampler(DistributedSampler):
         curriculum: Train the rows as its stages, in order; ``None`` shuffles all the rows together.
     """
 
-    def __init__(self, rows, batch_size: int, world: int, rank: int, seed: int,
-                 start_batch: Callable[[int], int], curriculum: Curriculum | None = None) -> None:
+    def __init__(
+        self,
+        rows,
+        batch_size: int,
+        world: int,
+        rank: int,
+        seed: int,
+        start_batch: Callable[[int], int],
+        curriculum: Curriculum | None = None,
+    ) -> None:
         super().__init__(rows, num_replicas=world, rank=rank, shuffle=True, seed=seed)
         self.batch_size = batch_size
         self.start_batch = start_batch
@@ -114,8 +122,9 @@ class ResumableBatches:
         ``self.curriculum``'s stages, if set)."""
         trainer = self.trainer
         world, rank = (trainer.world_size, trainer.global_rank) if trainer else (1, 0)
-        self.sampler = EpochSampler(rows, batch_size, world, rank, self.hparams.seed, self._start_batch,
-                                    self.curriculum)
+        self.sampler = EpochSampler(
+            rows, batch_size, world, rank, self.hparams.seed, self._start_batch, self.curriculum
+        )
         return DataLoader(rows, batch_size=batch_size, sampler=self.sampler, collate_fn=collate)
 
     def _start_batch(self, epoch: int) -> int:

@@ -28,8 +28,17 @@ ROW_KEYS = (
 )
 # Of those, the ones with one column per completion token (trimmed with the completions).
 # ``advantages`` is one of them when the estimator is token-level ([N, C], e.g. GAE).
-TOKEN_KEYS = ("completion_ids", "completion_mask", "completion_attention", "advantages", "old_logprobs",
-              "ref_logprobs", "sampler_logprobs", "values", "returns")
+TOKEN_KEYS = (
+    "completion_ids",
+    "completion_mask",
+    "completion_attention",
+    "advantages",
+    "old_logprobs",
+    "ref_logprobs",
+    "sampler_logprobs",
+    "values",
+    "returns",
+)
 
 
 class RolloutBuffer(IterableDataset):
@@ -96,8 +105,11 @@ class RolloutBuffer(IterableDataset):
             batch["micro_batches"] = len(self.batches)
             batch["policy_version"] = self.rollout.version
             if i == self.start:  # logged once per rollout, also when a resumed run restored it
-                batch.update(rollout_stats=self.rollout.stats, rollout_samples=self.rollout.samples,
-                             rollout_counts=self.rollout.counts)
+                batch.update(
+                    rollout_stats=self.rollout.stats,
+                    rollout_samples=self.rollout.samples,
+                    rollout_counts=self.rollout.counts,
+                )
             yield batch
 
 

@@ -108,9 +108,11 @@ class Curriculum:
         if total >= until["pairs"] and sum(a * n for a, n in self.window) / total >= until["accuracy"]:
             self.ends[index] = self.built
             self.window.clear()
-            rank_zero_info(f"data.curriculum[{index}] ends after {batch + 1} batches of epoch {epoch}: its last "
-                           f"{int(total)} pairs scored {until['accuracy']:g} or more; the next stage from batch "
-                           f"{self.built + 1}.")
+            rank_zero_info(
+                f"data.curriculum[{index}] ends after {batch + 1} batches of epoch {epoch}: its last "
+                f"{int(total)} pairs scored {until['accuracy']:g} or more; the next stage from batch "
+                f"{self.built + 1}."
+            )
 
     def state_dict(self) -> dict:
         return {"stage_ends": dict(self.ends), "stage_window": list(self.window)}

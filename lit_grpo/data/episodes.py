@@ -19,11 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-
-from lit_grpo.environments import Toolbox, TemplateFormat, call_format
+from lit_grpo.data.prompts import prompt_messages
+from lit_grpo.environments import TemplateFormat, Toolbox, call_format
 from lit_grpo.environments.factory import ENVIRONMENT_REWARD, EnvironmentFactory
 from lit_grpo.generation.episodes import EpisodePlan
-from lit_grpo.data.prompts import prompt_messages
 from lit_grpo.generation.rollout import encode_prompts
 from lit_grpo.rewards import BUILTINS, FromCallable, Reward, RewardCombiner
 
@@ -67,9 +66,11 @@ class EpisodesSpec:
         if self.max_turns < 1:
             raise ValueError(f"data.episodes.max_turns={self.max_turns}; expected >= 1.")
         if self.turn_prefix and not self.active:
-            raise ValueError(f"data.episodes.turn_prefix={self.turn_prefix!r} without data.episodes.tools or "
-                             "data.episodes.environment; expected episodes (its text starts each turn after a "
-                             "tool result).")
+            raise ValueError(
+                f"data.episodes.turn_prefix={self.turn_prefix!r} without data.episodes.tools or "
+                "data.episodes.environment; expected episodes (its text starts each turn after a "
+                "tool result)."
+            )
 
     @property
     def active(self) -> bool:
@@ -126,13 +127,15 @@ class EpisodeSetup:
         environment = spec.environment
         if isinstance(environment, dict):
             if "class_path" not in environment:
-                raise ValueError(f"data.episodes.environment={environment!r}; expected "
-                                 "{class_path: ..., init_args: {...}}.")
+                raise ValueError(
+                    f"data.episodes.environment={environment!r}; expected {{class_path: ..., init_args: {{...}}}}."
+                )
             # jsonargparse files --data.episodes.environment.init_args.NAME=VALUE as environment[NAME] (a
             # dict-typed field): such keys are init args set on the command line, over the config's.
             given = {name: value for name, value in environment.items() if name not in ("class_path", "init_args")}
-            self.factory = EnvironmentFactory(environment["class_path"], {**(environment.get("init_args") or {}),
-                                                                          **given}, timeout=spec.tool_timeout)
+            self.factory = EnvironmentFactory(
+                environment["class_path"], {**(environment.get("init_args") or {}), **given}, timeout=spec.tool_timeout
+            )
         elif environment is not None:  # in Python: a class or a factory, as TRL's environment_factory
             self.factory = EnvironmentFactory(environment, timeout=spec.tool_timeout)
         self.max_turns, self.max_episode_tokens, self.turn_prefix = spec.max_turns, max_episode_tokens, spec.turn_prefix
@@ -144,13 +147,17 @@ class EpisodeSetup:
         Raises:
             ValueError: No reward at all (``data.rewards`` empty, no ``get_reward``).
         """
-        entries = [_Episodic(fn, name, weight, _reads_text(fn))
-                   for name, fn, weight in (RewardCombiner(rewards).entries if rewards else [])]
+        entries = [
+            _Episodic(fn, name, weight, _reads_text(fn))
+            for name, fn, weight in (RewardCombiner(rewards).entries if rewards else [])
+        ]
         if self.factory is not None and self.factory.has_reward:
             entries.append(EnvironmentReward(environment_weight))
         if not entries:
-            raise ValueError("data.rewards is empty and data.episodes.environment has no get_reward(); give the episodes "
-                             "a reward (a reward function, or an environment that scores them).")
+            raise ValueError(
+                "data.rewards is empty and data.episodes.environment has no get_reward(); give the episodes "
+                "a reward (a reward function, or an environment that scores them)."
+            )
         return RewardCombiner(entries)
 
     def check(self, rows: list[dict]) -> None:
@@ -182,10 +189,21 @@ class EpisodeSetup:
         step = repeat if shared else 1  # one prompt per row, or one per episode
         prompt_rows = rows if shared else [row for row in rows for _ in range(repeat)]
         tokenizer, hp = datamodule.trainer.lightning_module.tokenizer, datamodule.hparams
-        ids, mask = encode_prompts(tokenizer, self.prompts(datamodule, prompt_rows, resets[::step], toolboxes[::step]),
-                                   hp.max_prompt_length, hp.prompt_overflow)
-        spec = EpisodePlan(toolboxes, self.call_format(tokenizer), self.max_turns, self.max_episode_tokens,
-                           hp.completion_prefix, self.turn_prefix, environments if self.factory else [])
+        ids, mask = encode_prompts(
+            tokenizer,
+            self.prompts(datamodule, prompt_rows, resets[::step], toolboxes[::step]),
+            hp.max_prompt_length,
+            hp.prompt_overflow,
+        )
+        spec = EpisodePlan(
+            toolboxes,
+            self.call_format(tokenizer),
+            self.max_turns,
+            self.max_episode_tokens,
+            hp.completion_prefix,
+            self.turn_prefix,
+            environments if self.factory else [],
+        )
         return ids, mask, spec, environments
 
     def call_format(self, tokenizer):
@@ -194,8 +212,13 @@ class EpisodeSetup:
             self.format = call_format(tokenizer)
         return self.format
 
-    def prompts(self, datamodule, rows: list[dict], resets: list[str | None] | None = None,
-                toolboxes: list[Toolbox] | None = None) -> list[str]:
+    def prompts(
+        self,
+        datamodule,
+        rows: list[dict],
+        resets: list[str | None] | None = None,
+        toolboxes: list[Toolbox] | None = None,
+    ) -> list[str]:
         """Chat-formatted prompts with the tools described (and each row's reset text), the prefix after."""
         tokenizer, hp = datamodule.trainer.lightning_module.tokenizer, datamodule.hparams
         if resets is None:  # prompts to measure or show: a fresh environment per row
@@ -206,6 +229,8 @@ class EpisodeSetup:
             messages = prompt_messages(row["prompt"], hp.system_prompt, hp.prompt_template, reset)
             messages = fmt.system_prompt(tokenizer, messages, toolbox.schemas)
             extra = {"tools": toolbox.schemas} if isinstance(fmt, TemplateFormat) else {}
-            texts.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
-                         + hp.completion_prefix)
+            texts.append(
+                tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+                + hp.completion_prefix
+            )
         return texts

@@ -30,17 +30,17 @@ from torch.utils.data import DataLoader
 
 from lit_grpo.data.batches import BatchCursor
 from lit_grpo.data.buffer import OnDemand, RolloutBuffer
-from lit_grpo.rewards import Accuracy, Format, Reward, RewardCombiner, TrainerState
+from lit_grpo.data.episodes import EpisodeSetup, EpisodesSpec
+from lit_grpo.data.prompts import chat_prompts, check_prompt_lengths, columns_of
+from lit_grpo.data.setup_checks import check_prompt_budget, choose_estimator
+from lit_grpo.data.sources import check_slices, held_out_slices, in_memory, load_rows, rename_columns, split_rows
+from lit_grpo.data.tasks import TooFewQuestions
 from lit_grpo.generation.rollout import SamplingSpec, encode_prompts
+from lit_grpo.rewards import Accuracy, Format, Reward, RewardCombiner, TrainerState
 from lit_grpo.rollout.ahead import Job, SamplingAhead
 from lit_grpo.rollout.producer import RolloutProducer, ScoredRollout
 from lit_grpo.training.distributed import gather_to_rank_zero
 from lit_grpo.training.preemption import Preempted, abortable
-from lit_grpo.data.episodes import EpisodeSetup, EpisodesSpec
-from lit_grpo.data.setup_checks import check_prompt_budget, choose_estimator
-from lit_grpo.data.prompts import chat_prompts, check_prompt_lengths, columns_of
-from lit_grpo.data.sources import check_slices, held_out_slices, in_memory, load_rows, rename_columns, split_rows
-from lit_grpo.data.tasks import TooFewQuestions
 
 
 class OnPolicyDataModule(L.LightningDataModule):
@@ -160,19 +160,29 @@ class OnPolicyDataModule(L.LightningDataModule):
         rewards = rewards if rewards is not None else [Accuracy(), Format()]
         self.val_reward = val_reward or Accuracy()
         self.val_scorer = RewardCombiner([self.val_reward])
-        for name, value in (("prompts_per_epoch", prompts_per_epoch), ("batch_size", batch_size),
-                            ("num_iterations", num_iterations), ("val_size", val_size)):
+        for name, value in (
+            ("prompts_per_epoch", prompts_per_epoch),
+            ("batch_size", batch_size),
+            ("num_iterations", num_iterations),
+            ("val_size", val_size),
+        ):
             if value < 1:
                 raise ValueError(f"data.{name}={value}; expected >= 1.")
         if multi_objective_aggregation not in ("sum_then_normalize", "normalize_then_sum"):
-            raise ValueError(f"data.multi_objective_aggregation={multi_objective_aggregation!r}; expected "
-                             "sum_then_normalize or normalize_then_sum.")
+            raise ValueError(
+                f"data.multi_objective_aggregation={multi_objective_aggregation!r}; expected "
+                "sum_then_normalize or normalize_then_sum."
+            )
         if multi_objective_aggregation == "normalize_then_sum" and advantage_estimator not in (None, "grpo"):
-            raise ValueError(f"data.multi_objective_aggregation='normalize_then_sum' with data.advantage_estimator="
-                             f"{advantage_estimator!r}; it normalises each reward in its group: use grpo.")
+            raise ValueError(
+                f"data.multi_objective_aggregation='normalize_then_sum' with data.advantage_estimator="
+                f"{advantage_estimator!r}; it normalises each reward in its group: use grpo."
+            )
         if staleness < 0:
-            raise ValueError(f"data.staleness={staleness}; expected >= 0 (0: sample with the current weights, "
-                             "k: up to k rollouts ahead of training).")
+            raise ValueError(
+                f"data.staleness={staleness}; expected >= 0 (0: sample with the current weights, "
+                "k: up to k rollouts ahead of training)."
+            )
         check_slices(self.hparams.source, val_slices or {})
         if "{prompt}" not in prompt_template:
             raise ValueError(f"data.prompt_template={prompt_template!r} must contain '{{prompt}}'.")
@@ -195,21 +205,34 @@ class OnPolicyDataModule(L.LightningDataModule):
             spec = self.episodes_spec
             cap = spec.max_episode_tokens or 2 * self.sampling.max_new_tokens
             if cap < self.sampling.max_new_tokens:
-                raise ValueError(f"data.episodes.max_episode_tokens={cap} < sampling.max_new_tokens="
-                                 f"{self.sampling.max_new_tokens}; expected a cap on the whole episode.")
+                raise ValueError(
+                    f"data.episodes.max_episode_tokens={cap} < sampling.max_new_tokens="
+                    f"{self.sampling.max_new_tokens}; expected a cap on the whole episode."
+                )
             self.episodes = EpisodeSetup(spec, cap)
-        self.rewards = (RewardCombiner(rewards) if self.episodes is None
-                        else self.episodes.rewards(rewards, self.episodes_spec.environment_reward_weight))
+        self.rewards = (
+            RewardCombiner(rewards)
+            if self.episodes is None
+            else self.episodes.rewards(rewards, self.episodes_spec.environment_reward_weight)
+        )
 
     # ----------------------------------------------------------------- set-up
     def setup(self, stage: str | None = None) -> None:
         if self.train_rows:
             return
         hp = self.hparams
-        self.train_rows, self.val_rows = split_rows(self._load, hp.source, hp.split, hp.val_split, hp.train_size,
-                                                    hp.val_size)
-        self.val_slices = held_out_slices(hp.source, hp.val_slices or {}, hp.task_args, hp.columns or {},
-                                          hp.seed, hp.val_size, self.train_rows + self.val_rows)
+        self.train_rows, self.val_rows = split_rows(
+            self._load, hp.source, hp.split, hp.val_split, hp.train_size, hp.val_size
+        )
+        self.val_slices = held_out_slices(
+            hp.source,
+            hp.val_slices or {},
+            hp.task_args,
+            hp.columns or {},
+            hp.seed,
+            hp.val_size,
+            self.train_rows + self.val_rows,
+        )
         choose_estimator(self)  # first: a group size the estimator refuses also breaks the budget
         check_prompt_budget(self)
         self.rewards.check_columns(list(self.train_rows[0]), hp.source)
@@ -219,25 +242,37 @@ class OnPolicyDataModule(L.LightningDataModule):
         if self.episodes is not None:
             self.episodes.check(self.train_rows + self.val_rows)
         self.producer = RolloutProducer(
-            self.sampling, self.rewards, self.advantage_estimator, self._encode_for_rollout, self.full_completions,
-            advantage_scale=hp.advantage_scale, batch_size=hp.batch_size, num_iterations=hp.num_iterations,
-            dynamic_sampling=hp.dynamic_sampling, max_sampling_rounds=hp.max_sampling_rounds,
-            multi_objective_aggregation=hp.multi_objective_aggregation)
+            self.sampling,
+            self.rewards,
+            self.advantage_estimator,
+            self._encode_for_rollout,
+            self.full_completions,
+            advantage_scale=hp.advantage_scale,
+            batch_size=hp.batch_size,
+            num_iterations=hp.num_iterations,
+            dynamic_sampling=hp.dynamic_sampling,
+            max_sampling_rounds=hp.max_sampling_rounds,
+            multi_objective_aggregation=hp.multi_objective_aggregation,
+        )
 
     def _load(self, split: str, size: int) -> list[dict]:
         hp = self.hparams
         try:
             raw = load_rows(self.source, split, hp.task_args, hp.seed, size)
         except TooFewQuestions as error:
-            raise ValueError(f"data.train_size={hp.train_size} + data.val_size={hp.val_size} rows asked of "
-                             f"data.source={hp.source!r}: {error} Lower data.train_size, or widen "
-                             "data.task_args (more digits or ops).") from None
+            raise ValueError(
+                f"data.train_size={hp.train_size} + data.val_size={hp.val_size} rows asked of "
+                f"data.source={hp.source!r}: {error} Lower data.train_size, or widen "
+                "data.task_args (more digits or ops)."
+            ) from None
         return rename_columns(raw, hp.columns or {}, hp.source)
 
     def val_sets(self) -> dict[str, list[dict]]:
         """The held-out prompts by the metric their greedy accuracy is logged as."""
-        return {"val/accuracy": self.val_rows,
-                **{f"val/{name}/accuracy": rows for name, rows in self.val_slices.items()}}
+        return {
+            "val/accuracy": self.val_rows,
+            **{f"val/{name}/accuracy": rows for name, rows in self.val_slices.items()},
+        }
 
     @property
     def prompts_per_rank(self) -> int:
@@ -249,8 +284,12 @@ class OnPolicyDataModule(L.LightningDataModule):
         """Apply the prompt template and the tokenizer's chat template, then the completion prefix."""
         if self.episodes is not None:  # the tools described, an environment's reset text added
             return self.episodes.prompts(self, rows)
-        texts = chat_prompts(self.trainer.lightning_module.tokenizer, [row["prompt"] for row in rows],
-                             self.hparams.system_prompt, self.hparams.prompt_template)
+        texts = chat_prompts(
+            self.trainer.lightning_module.tokenizer,
+            [row["prompt"] for row in rows],
+            self.hparams.system_prompt,
+            self.hparams.prompt_template,
+        )
         return [text + self.hparams.completion_prefix for text in texts]
 
     def full_completions(self, completions: list[str]) -> list[str]:
@@ -263,8 +302,9 @@ class OnPolicyDataModule(L.LightningDataModule):
     def encode(self, rows: list[dict]):
         """Chat-format and tokenize prompts: ``(ids [B, P], mask [B, P])``."""
         tokenizer = self.trainer.lightning_module.tokenizer
-        return encode_prompts(tokenizer, self.format_prompts(rows), self.hparams.max_prompt_length,
-                              self.hparams.prompt_overflow)
+        return encode_prompts(
+            tokenizer, self.format_prompts(rows), self.hparams.max_prompt_length, self.hparams.prompt_overflow
+        )
 
     def _encode_for_rollout(self, rows: list[dict], repeat: int):
         """``(prompt_ids, prompt_mask, episodes, environments)`` of rows sampled ``repeat`` times each."""
@@ -351,8 +391,12 @@ class OnPolicyDataModule(L.LightningDataModule):
             accumulate=trainer.accumulate_grad_batches,
             generator=torch.Generator().manual_seed(self.cursor.seed_of(epoch, rank)),
             token_counts=lambda t: trainer.strategy.reduce(t, reduce_op="sum"),
-            every_batch={"temperature": self.sampling.temperature, "max_new_tokens": self.sampling.max_new_tokens,
-                         "kl_in_rewards": self.producer.kl_in_rewards, "sampled_ahead": self.hparams.staleness > 0},
+            every_batch={
+                "temperature": self.sampling.temperature,
+                "max_new_tokens": self.sampling.max_new_tokens,
+                "kl_in_rewards": self.producer.kl_in_rewards,
+                "sampled_ahead": self.hparams.staleness > 0,
+            },
             start=start,
         )
 
@@ -365,9 +409,15 @@ class OnPolicyDataModule(L.LightningDataModule):
             return bool(trainer.strategy.reduce(torch.tensor(float(missing)), reduce_op="sum") > 0)
 
         return self.producer.produce(
-            lambda: self._my_prompts(rank), trainer.lightning_module, count=self.prompts_per_rank,
-            missing_on_any_rank=missing_on_any_rank, accumulate=trainer.accumulate_grad_batches,
-            epoch=trainer.current_epoch, trainer_state=self.trainer_state(), **sampled_ahead)
+            lambda: self._my_prompts(rank),
+            trainer.lightning_module,
+            count=self.prompts_per_rank,
+            missing_on_any_rank=missing_on_any_rank,
+            accumulate=trainer.accumulate_grad_batches,
+            epoch=trainer.current_epoch,
+            trainer_state=self.trainer_state(),
+            **sampled_ahead,
+        )
 
     def trainer_state(self) -> TrainerState:
         """Where training is, as the rewards that read ``trainer_state`` see it."""
@@ -389,8 +439,12 @@ class OnPolicyDataModule(L.LightningDataModule):
                 self._launch(later, self._my_prompts(rank), self.cursor.seed_of(later, rank))
         job, waits = self.ahead.take(epoch)
         # dynamic sampling's further rounds, if any, are sampled now, by the current weights
-        return self._produce(rank, first=(job.request, job.rollout, job.version), stats=waits,
-                             generator=torch.Generator().manual_seed(self.cursor.seed_of(epoch, rank, -1)))
+        return self._produce(
+            rank,
+            first=(job.request, job.rollout, job.version),
+            stats=waits,
+            generator=torch.Generator().manual_seed(self.cursor.seed_of(epoch, rank, -1)),
+        )
 
     def _start_ahead(self) -> None:
         """Start the worker (refusing an engine that cannot sample beside training), and launch again
@@ -399,9 +453,14 @@ class OnPolicyDataModule(L.LightningDataModule):
             return
         trainer = self.trainer
         engine = trainer.lightning_module.engine
-        refusal = engine.ahead_refusal() if hasattr(engine, "ahead_refusal") else (
-            f"the {type(engine).__name__} samples in the weights training steps; use model.generation.backend "
-            "native")
+        refusal = (
+            engine.ahead_refusal()
+            if hasattr(engine, "ahead_refusal")
+            else (
+                f"the {type(engine).__name__} samples in the weights training steps; use model.generation.backend "
+                "native"
+            )
+        )
         if self.advantage_estimator == "gae":
             refusal = "PPO's loss has no correction for a sampler older than the trainer (its critic's GAE too)"
         if refusal:
@@ -409,15 +468,28 @@ class OnPolicyDataModule(L.LightningDataModule):
         self.ahead = SamplingAhead(self.producer.sample, abortable=trainer.world_size == 1)
         rank = trainer.global_rank
         for saved in self.pending:
-            self._launch(saved["epoch"], saved["ranks"][rank], self.cursor.seed_of(saved["epoch"], rank),
-                         adapter=saved["adapter"], version=saved["version"])
+            self._launch(
+                saved["epoch"],
+                saved["ranks"][rank],
+                self.cursor.seed_of(saved["epoch"], rank),
+                adapter=saved["adapter"],
+                version=saved["version"],
+            )
         self.pending = []
 
-    def _launch(self, epoch: int, prompts: list[dict], seed: int, adapter: dict | None = None,
-                version: int | None = None) -> None:
+    def _launch(
+        self, epoch: int, prompts: list[dict], seed: int, adapter: dict | None = None, version: int | None = None
+    ) -> None:
         module = self.trainer.lightning_module
-        self.ahead.launch(Job(epoch, self.producer.prepare(prompts), module.engine.frozen(adapter), seed,
-                              module.policy_version if version is None else version))
+        self.ahead.launch(
+            Job(
+                epoch,
+                self.producer.prepare(prompts),
+                module.engine.frozen(adapter),
+                seed,
+                module.policy_version if version is None else version,
+            )
+        )
 
     def _my_prompts(self, rank: int) -> list[dict]:
         local = self.prompts_per_rank
@@ -450,8 +522,10 @@ class OnPolicyDataModule(L.LightningDataModule):
         self.cursor.begin(self.trainer.global_rank, index)
 
     def val_dataloader(self) -> DataLoader | list[DataLoader]:
-        loaders = [DataLoader(rows, batch_size=self.hparams.val_batch_size, collate_fn=self.collate_val)
-                   for rows in self.val_sets().values()]
+        loaders = [
+            DataLoader(rows, batch_size=self.hparams.val_batch_size, collate_fn=self.collate_val)
+            for rows in self.val_sets().values()
+        ]
         return loaders if len(loaders) > 1 else loaders[0]
 
     def collate_val(self, rows: list[dict]) -> dict:
@@ -460,13 +534,19 @@ class OnPolicyDataModule(L.LightningDataModule):
         environment or ``None``, when tools are configured)."""
         if self.episodes is not None:
             prompt_ids, prompt_mask, spec, environments = self.episodes.start(self, rows, 1)
-            return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "rows": rows, "episodes": spec,
-                    "environments": environments}
+            return {
+                "prompt_ids": prompt_ids,
+                "prompt_mask": prompt_mask,
+                "rows": rows,
+                "episodes": spec,
+                "environments": environments,
+            }
         prompt_ids, prompt_mask = self.encode(rows)
         return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "rows": rows}
 
-    def score_validation(self, rows: list[dict], completions: list[str], environments: list | None = None
-                         ) -> torch.Tensor:
+    def score_validation(
+        self, rows: list[dict], completions: list[str], environments: list | None = None
+    ) -> torch.Tensor:
         """Score greedy validation answers with ``val_reward``: ``[B]`` floats (0 where it does not apply).
 
         ``completions`` are the sampled texts; the completion prefix is put in front here.
@@ -490,16 +570,33 @@ class OnPolicyDataModule(L.LightningDataModule):
         state = {"position": self.position, "passes": self.passes, "rollout_epoch": self.rollout_epoch}
         trainer = self.trainer
         if self.last_result is not None and 0 < self.cursor.trained < self.micro_batches:
-            state["rollout"] = {"epoch": self.rollout_epoch, "trained": self.cursor.trained,
-                                "ranks": gather_to_rank_zero(vars(self.last_result), trainer.world_size)}
+            state["rollout"] = {
+                "epoch": self.rollout_epoch,
+                "trained": self.cursor.trained,
+                "ranks": gather_to_rank_zero(vars(self.last_result), trainer.world_size),
+            }
         if self.hparams.staleness:  # the rollouts sampling ahead: their prompts and frozen weights
             jobs = sorted(self.ahead.jobs.values(), key=lambda job: job.epoch) if self.ahead else []
-            pending = [{"epoch": job.epoch, "version": job.version, "adapter": job.sampler.adapter,
-                        "rows": job.request.prompts} for job in jobs]
+            pending = [
+                {
+                    "epoch": job.epoch,
+                    "version": job.version,
+                    "adapter": job.sampler.adapter,
+                    "rows": job.request.prompts,
+                }
+                for job in jobs
+            ]
             pending += [{**saved, "rows": saved["ranks"][trainer.global_rank]} for saved in self.pending]
             ranks = gather_to_rank_zero([p["rows"] for p in pending], trainer.world_size)  # None off rank 0
-            state["pending"] = [{"epoch": p["epoch"], "version": p["version"], "adapter": p["adapter"],
-                                 "ranks": [rows[i] for rows in ranks or []]} for i, p in enumerate(pending)]
+            state["pending"] = [
+                {
+                    "epoch": p["epoch"],
+                    "version": p["version"],
+                    "adapter": p["adapter"],
+                    "ranks": [rows[i] for rows in ranks or []],
+                }
+                for i, p in enumerate(pending)
+            ]
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -515,4 +612,3 @@ class OnPolicyDataModule(L.LightningDataModule):
                 f"trainer.devices x num_nodes = {len(self.restored['ranks'])} (now {world}), or from an "
                 "end-of-epoch checkpoint."
             )
-

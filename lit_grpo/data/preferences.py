@@ -97,8 +97,12 @@ class PreferenceDataModule(ResumableBatches, L.LightningDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        for name, value in (("batch_size", batch_size), ("val_batch_size", val_batch_size),
-                            ("train_size", train_size), ("val_size", val_size)):
+        for name, value in (
+            ("batch_size", batch_size),
+            ("val_batch_size", val_batch_size),
+            ("train_size", train_size),
+            ("val_size", val_size),
+        ):
             if value < 1:
                 raise ValueError(f"data.{name}={value}; expected >= 1.")
         if "{prompt}" not in prompt_template:
@@ -113,18 +117,22 @@ class PreferenceDataModule(ResumableBatches, L.LightningDataModule):
             return
         hp = self.hparams
         if not hp.curriculum:
-            self.train_rows, self.val_rows = split_rows(self._load, hp.source, hp.split, hp.val_split,
-                                                        hp.train_size, hp.val_size)
+            self.train_rows, self.val_rows = split_rows(
+                self._load, hp.source, hp.split, hp.val_split, hp.train_size, hp.val_size
+            )
             return
         # The stages generate the training pairs (train_size may exceed the task's questions: they
         # come round again); the held-out pairs are those a run without a curriculum holds out.
         self.val_rows = split_rows(self._load, hp.source, hp.split, hp.val_split, 1, hp.val_size)[1]
-        blocks, budgets = curriculum_rows(hp.source, hp.curriculum, hp.task_args, hp.seed, hp.train_size,
-                                          self.val_rows)
+        blocks, budgets = curriculum_rows(hp.source, hp.curriculum, hp.task_args, hp.seed, hp.train_size, self.val_rows)
         blocks = [self._checked(rows, "train") for rows in blocks]
         self.train_rows = [row for rows in blocks for row in rows]
-        self.curriculum = Curriculum([Stage(len(rows), budget, stage.get("until"))
-                                      for rows, budget, stage in zip(blocks, budgets, hp.curriculum)])
+        self.curriculum = Curriculum(
+            [
+                Stage(len(rows), budget, stage.get("until"))
+                for rows, budget, stage in zip(blocks, budgets, hp.curriculum)
+            ]
+        )
 
     def _load(self, split: str, size: int) -> list[dict]:
         hp = self.hparams
@@ -163,13 +171,16 @@ class PreferenceDataModule(ResumableBatches, L.LightningDataModule):
         """Tokenize B pairs into 2B rows, chosen first (see the module docstring)."""
         hp = self.hparams
         tokenizer = self.trainer.lightning_module.tokenizer
-        prompts = chat_prompts(tokenizer, [column_text(r["prompt"], "prompt") for r in rows],
-                               hp.system_prompt, hp.prompt_template)
+        prompts = chat_prompts(
+            tokenizer, [column_text(r["prompt"], "prompt") for r in rows], hp.system_prompt, hp.prompt_template
+        )
         prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, hp.max_prompt_length, hp.prompt_overflow)
         replies = [column_text(r["chosen"], "chosen") for r in rows] + [
-            column_text(r["rejected"], "rejected") for r in rows]
+            column_text(r["rejected"], "rejected") for r in rows
+        ]
         completion_ids, completion_mask = encode_completions(
-            tokenizer, replies, hp.max_completion_length, hp.completion_overflow)
+            tokenizer, replies, hp.max_completion_length, hp.completion_overflow
+        )
         return {
             "prompt_ids": torch.cat([prompt_ids, prompt_ids]),  # [2B, P]
             "prompt_mask": torch.cat([prompt_mask, prompt_mask]),  # [2B, P]
@@ -214,8 +225,11 @@ def encode_completions(
                 "data.completion_overflow='truncate'."
             )
         if long:
-            warnings.warn(f"{len(long)} reply(ies) longer than max_completion_length={max_length} "
-                          "tokens were truncated from the right.", stacklevel=2)
+            warnings.warn(
+                f"{len(long)} reply(ies) longer than max_completion_length={max_length} "
+                "tokens were truncated from the right.",
+                stacklevel=2,
+            )
             rows = [r[:max_length] for r in rows]
     width = max(len(r) for r in rows)
     ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])  # [N, C]

@@ -14,8 +14,12 @@ def chat_prompts(tokenizer, prompts: list, system_prompt: str | None, prompt_tem
             "the tokenizer has no chat template, which the prompts need; use an instruct/chat "
             "model or set tokenizer.chat_template."
         )
-    return [tokenizer.apply_chat_template(prompt_messages(prompt, system_prompt, prompt_template), tokenize=False,
-                                          add_generation_prompt=True) for prompt in prompts]
+    return [
+        tokenizer.apply_chat_template(
+            prompt_messages(prompt, system_prompt, prompt_template), tokenize=False, add_generation_prompt=True
+        )
+        for prompt in prompts
+    ]
 
 
 def prompt_messages(prompt, system_prompt: str | None, prompt_template: str, extra: str | None = None) -> list[dict]:
@@ -29,18 +33,26 @@ def prompt_messages(prompt, system_prompt: str | None, prompt_template: str, ext
     """
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt_template.format(prompt=prompt)}]
-    elif (isinstance(prompt, list) and prompt
-          and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt)):
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt)
+    ):
         messages = [dict(m) for m in prompt]
     else:
-        raise ValueError(f"a prompt is {str(prompt)[:80]!r} ({type(prompt).__name__}); expected text, or a "
-                         "conversation: a list of {'role': ..., 'content': ...} messages (data.columns maps "
-                         "another column to 'prompt').")
+        raise ValueError(
+            f"a prompt is {str(prompt)[:80]!r} ({type(prompt).__name__}); expected text, or a "
+            "conversation: a list of {'role': ..., 'content': ...} messages (data.columns maps "
+            "another column to 'prompt')."
+        )
     if system_prompt and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})
     if extra:
-        last = max(i for i, m in enumerate(messages) if m["role"] == "user") if any(
-            m["role"] == "user" for m in messages) else len(messages) - 1
+        last = (
+            max(i for i, m in enumerate(messages) if m["role"] == "user")
+            if any(m["role"] == "user" for m in messages)
+            else len(messages) - 1
+        )
         messages[last] = {**messages[last], "content": f"{messages[last]['content']}\n\n{extra}"}
     return messages
 
@@ -86,4 +98,3 @@ def check_prompt_lengths(data) -> None:
                 f"row, lower {field}, or set data.max_prompt_length={max(budget, 1)} "
                 "with data.prompt_overflow='truncate'."
             )
-

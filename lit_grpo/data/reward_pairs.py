@@ -31,8 +31,12 @@ class RewardDataModule(PreferenceDataModule):
         hp = self.hparams
         prompts = [hp.prompt_template.format(prompt=column_text(r["prompt"], "prompt")) for r in rows]
         replies = [column_text(r["chosen"], "chosen") for r in rows] + [
-            column_text(r["rejected"], "rejected") for r in rows]
-        limit = None if None in (hp.max_prompt_length, hp.max_completion_length) else (
-            hp.max_prompt_length + hp.max_completion_length)
+            column_text(r["rejected"], "rejected") for r in rows
+        ]
+        limit = (
+            None
+            if None in (hp.max_prompt_length, hp.max_completion_length)
+            else (hp.max_prompt_length + hp.max_completion_length)
+        )
         input_ids, attention_mask = encode_conversations(tokenizer, prompts * 2, replies, hp.system_prompt, limit)
         return {"input_ids": input_ids, "attention_mask": attention_mask}  # [2B, T] each

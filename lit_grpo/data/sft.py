@@ -82,9 +82,13 @@ class SFTDataModule(ResumableBatches, L.LightningDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["val_reward"])
-        for name, value in (("batch_size", batch_size), ("val_batch_size", val_batch_size),
-                            ("train_size", train_size), ("val_size", val_size),
-                            ("val_max_new_tokens", val_max_new_tokens)):
+        for name, value in (
+            ("batch_size", batch_size),
+            ("val_batch_size", val_batch_size),
+            ("train_size", train_size),
+            ("val_size", val_size),
+            ("val_max_new_tokens", val_max_new_tokens),
+        ):
             if value < 1:
                 raise ValueError(f"data.{name}={value}; expected >= 1.")
         if "{prompt}" not in prompt_template:
@@ -98,8 +102,9 @@ class SFTDataModule(ResumableBatches, L.LightningDataModule):
         if self.train_rows:
             return
         hp = self.hparams
-        self.train_rows, self.val_rows = split_rows(self._load, hp.source, hp.split, hp.val_split, hp.train_size,
-                                                    hp.val_size)
+        self.train_rows, self.val_rows = split_rows(
+            self._load, hp.source, hp.split, hp.val_split, hp.train_size, hp.val_size
+        )
         if self.val_reward is None and "answer" in self.val_rows[0]:
             self.val_reward = Accuracy()
         if self.trainer is not None:
@@ -107,8 +112,9 @@ class SFTDataModule(ResumableBatches, L.LightningDataModule):
 
     def _load(self, split: str, size: int) -> list[dict]:
         hp = self.hparams
-        rows = rename_columns(load_rows(hp.source, split, hp.task_args, hp.seed, size), hp.columns or {}, hp.source,
-                              require_prompt=False)  # conversations have messages instead
+        rows = rename_columns(
+            load_rows(hp.source, split, hp.task_args, hp.seed, size), hp.columns or {}, hp.source, require_prompt=False
+        )  # conversations have messages instead
         if "messages" not in rows[0] and not {"prompt", "completion"} <= set(rows[0]):
             raise ValueError(
                 f"data.source={hp.source!r} has neither 'prompt' + 'completion' nor 'messages' columns, which "
@@ -117,8 +123,10 @@ class SFTDataModule(ResumableBatches, L.LightningDataModule):
             )
         for i, row in enumerate(rows):  # every row now: an empty one would fail mid-epoch
             if not any(text.strip() for text, trained in self.segments(row, None) if trained):
-                raise ValueError(f"data.source={hp.source!r} split {split!r} row {i}: the completion (assistant "
-                                 "reply) is empty, so there is nothing to train on; fill or drop the row.")
+                raise ValueError(
+                    f"data.source={hp.source!r} split {split!r} row {i}: the completion (assistant "
+                    "reply) is empty, so there is nothing to train on; fill or drop the row."
+                )
         return rows
 
     def segments(self, row: dict, tokenizer) -> list[tuple[str, bool]]:
@@ -140,15 +148,20 @@ class SFTDataModule(ResumableBatches, L.LightningDataModule):
         return self.resumable_loader(self.train_rows, self.hparams.batch_size, self.collate)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_rows, batch_size=self.hparams.val_batch_size,
-                          collate_fn=lambda rows: {**self.collate(rows), "rows": rows})
+        return DataLoader(
+            self.val_rows,
+            batch_size=self.hparams.val_batch_size,
+            collate_fn=lambda rows: {**self.collate(rows), "rows": rows},
+        )
 
     def collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         """Tokenize rows, split each where its first trained token starts (see the module docstring)."""
         tokenizer = self.trainer.lightning_module.tokenizer
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("the tokenizer has no chat template, which SFT rows need (prompts and assistant turns "
-                             "are rendered with it); use an instruct/chat model or set tokenizer.chat_template.")
+            raise ValueError(
+                "the tokenizer has no chat template, which SFT rows need (prompts and assistant turns "
+                "are rendered with it); use an instruct/chat model or set tokenizer.chat_template."
+            )
         prompts, completions, trained = [], [], []
         for row in rows:
             ids, mask = [], []
@@ -176,9 +189,11 @@ class SFTDataModule(ResumableBatches, L.LightningDataModule):
         if limit is None or len(ids) <= limit:
             return ids, mask
         if self.hparams.overflow == "error" or 1 not in mask[:limit]:
-            raise ValueError(f"a row has {len(ids)} tokens (chat template included) > data.max_length={limit}"
-                             + ("" if 1 in mask[:limit] else ", and its reply starts after that")
-                             + "; raise the limit, or set data.overflow='truncate' to cut the end.")
+            raise ValueError(
+                f"a row has {len(ids)} tokens (chat template included) > data.max_length={limit}"
+                + ("" if 1 in mask[:limit] else ", and its reply starts after that")
+                + "; raise the limit, or set data.overflow='truncate' to cut the end."
+            )
         return ids[:limit], mask[:limit]
 
     # ------------------------------------------------------------- validation
@@ -196,15 +211,19 @@ def _reply(value) -> str:
         return value
     if isinstance(value, list) and value and isinstance(value[-1], dict) and "content" in value[-1]:
         return str(value[-1]["content"])
-    raise ValueError(f"data column 'completion' holds {type(value).__name__} {value!r:.80}; "
-                     "expected a string or a list of chat messages.")
+    raise ValueError(
+        f"data column 'completion' holds {type(value).__name__} {value!r:.80}; "
+        "expected a string or a list of chat messages."
+    )
 
 
 def _conversation_segments(messages, tokenizer) -> list[tuple[str, bool]]:
     """A conversation as context and assistant pieces, each assistant turn as the template renders it."""
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-        raise ValueError(f"data column 'messages' holds {messages!r:.80}; expected a list of "
-                         "{'role': ..., 'content': ...} messages.")
+        raise ValueError(
+            f"data column 'messages' holds {messages!r:.80}; expected a list of "
+            "{'role': ..., 'content': ...} messages."
+        )
     if tokenizer is None:
         return [(str(m.get("content", "")), m["role"] == "assistant") for m in messages]
     pieces, done = [], ""
@@ -214,9 +233,11 @@ def _conversation_segments(messages, tokenizer) -> list[tuple[str, bool]]:
         before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
         after = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
         if not (before.startswith(done) and after.startswith(before)):
-            raise ValueError("the tokenizer's chat template does not render a conversation turn by turn (a "
-                             "shorter conversation is not a prefix of a longer one), so the assistant turns "
-                             "cannot be told apart; use prompt + completion columns instead of messages.")
-        pieces += [(before[len(done):], False), (after[len(before):], True)]
+            raise ValueError(
+                "the tokenizer's chat template does not render a conversation turn by turn (a "
+                "shorter conversation is not a prefix of a longer one), so the assistant turns "
+                "cannot be told apart; use prompt + completion columns instead of messages."
+            )
+        pieces += [(before[len(done) :], False), (after[len(before) :], True)]
         done = after
     return pieces

@@ -35,16 +35,20 @@ class InMemory:
         kind = type(data).__name__
         if isinstance(data, list):
             if not data or not all(isinstance(row, dict) for row in data):
-                raise ValueError(f"data.source is a list of {len(data)} items; expected a non-empty list of row "
-                                 "dicts, e.g. [{'prompt': ..., 'answer': ...}].")
+                raise ValueError(
+                    f"data.source is a list of {len(data)} items; expected a non-empty list of row "
+                    "dicts, e.g. [{'prompt': ..., 'answer': ...}]."
+                )
             self.name = f"<a list of {len(data)} rows>"
         elif kind == "DatasetDict":
             self.name = f"<a DatasetDict of splits {sorted(data)}>"
         elif kind == "Dataset":
             self.name = f"<a Dataset of {len(data)} rows>"
         else:
-            raise ValueError(f"data.source is a {kind}; expected a source name or path (str), a list of row "
-                             "dicts, or a datasets.Dataset / DatasetDict.")
+            raise ValueError(
+                f"data.source is a {kind}; expected a source name or path (str), a list of row "
+                "dicts, or a datasets.Dataset / DatasetDict."
+            )
 
     def rows(self, split: str) -> list[dict]:
         """The rows (of ``split`` for a DatasetDict).
@@ -56,8 +60,10 @@ class InMemory:
             return [dict(row) for row in self.data]
         if type(self.data).__name__ == "DatasetDict":
             if split not in self.data:
-                raise ValueError(f"data.split={split!r}: data.source {self.name} has no such split; expected one "
-                                 f"of {sorted(self.data)}.")
+                raise ValueError(
+                    f"data.split={split!r}: data.source {self.name} has no such split; expected one "
+                    f"of {sorted(self.data)}."
+                )
             return self.data[split].to_list()
         return self.data.to_list()
 
@@ -70,8 +76,9 @@ def in_memory(source):
     return source if isinstance(source, str) else InMemory(source)
 
 
-def load_rows(source: str | InMemory, split: str, task_args: dict | list[dict] | None, seed: int,
-              size: int | None) -> list[dict]:
+def load_rows(
+    source: str | InMemory, split: str, task_args: dict | list[dict] | None, seed: int, size: int | None
+) -> list[dict]:
     """Load raw rows (dataset column names) from ``source``.
 
     Args:
@@ -112,8 +119,14 @@ def load_rows(source: str | InMemory, split: str, task_args: dict | list[dict] |
     return dataset.to_list()
 
 
-def split_rows(load: Callable[[str, int], list[dict]], source: str, split: str, val_split: str | None,
-               train_size: int, val_size: int) -> tuple[list[dict], list[dict]]:
+def split_rows(
+    load: Callable[[str, int], list[dict]],
+    source: str,
+    split: str,
+    val_split: str | None,
+    train_size: int,
+    val_size: int,
+) -> tuple[list[dict], list[dict]]:
     """The training rows and the held-out rows of a DataModule (SFT, preferences, on-policy prompts).
 
     Args:
@@ -133,8 +146,10 @@ def split_rows(load: Callable[[str, int], list[dict]], source: str, split: str, 
         return load(split, train_size), load(val_split, val_size)[:val_size]
     rows = load(split, train_size + val_size)
     if len(rows) <= val_size:
-        raise ValueError(f"data.source={source!r} has {len(rows)} rows, not enough to hold out "
-                         f"data.val_size={val_size} for validation and still train.")
+        raise ValueError(
+            f"data.source={source!r} has {len(rows)} rows, not enough to hold out "
+            f"data.val_size={val_size} for validation and still train."
+        )
     return rows[val_size:], rows[:val_size]
 
 
@@ -150,8 +165,10 @@ def mixed_task(source: str, mix: list[dict], seed: int, size: int) -> list[dict]
         ValueError: ``mix`` is empty or holds something other than option dicts.
     """
     if not mix or not all(isinstance(options, dict) for options in mix):
-        raise ValueError(f"data.task_args={mix!r}; expected the task's options, or a non-empty list of them "
-                         "(a mix), e.g. [{'digits': 2}, {'digits': [2, 3]}].")
+        raise ValueError(
+            f"data.task_args={mix!r}; expected the task's options, or a non-empty list of them "
+            "(a mix), e.g. [{'digits': 2}, {'digits': [2, 3]}]."
+        )
     shares = [size // len(mix) + (i < size % len(mix)) for i in range(len(mix))]
     parts = [TASKS[source](n=n, seed=seed + i, **options) for i, (n, options) in enumerate(zip(shares, mix))]
     rows = {}
@@ -162,8 +179,9 @@ def mixed_task(source: str, mix: list[dict], seed: int, size: int) -> list[dict]
     return list(rows.values())
 
 
-def curriculum_rows(source: str, stages: list[dict], task_args: dict | list[dict] | None, seed: int,
-                    train_size: int, taken: list[dict]) -> tuple[list[list[dict]], list[int]]:
+def curriculum_rows(
+    source: str, stages: list[dict], task_args: dict | list[dict] | None, seed: int, train_size: int, taken: list[dict]
+) -> tuple[list[list[dict]], list[int]]:
     """The training rows of ``data.curriculum``, stage by stage (raw rows, dataset column names).
 
     Stage ``i`` is ``{"share": fraction, "task_args": {...}, "until": {...}}``: ``share`` of
@@ -185,28 +203,40 @@ def curriculum_rows(source: str, stages: list[dict], task_args: dict | list[dict
             left to train; the message names ``data.curriculum[i]``.
     """
     if source not in TASKS:
-        raise ValueError(f"data.curriculum needs a built-in task {sorted(TASKS)} as data.source, not {source!r}: "
-                         "its stages are generated with their own task options.")
+        raise ValueError(
+            f"data.curriculum needs a built-in task {sorted(TASKS)} as data.source, not {source!r}: "
+            "its stages are generated with their own task options."
+        )
     if isinstance(task_args, list):
-        raise ValueError("data.curriculum with data.task_args as a mix (a list) is not supported; give "
-                         "data.task_args one set of options and each stage its own.")
+        raise ValueError(
+            "data.curriculum with data.task_args as a mix (a list) is not supported; give "
+            "data.task_args one set of options and each stage its own."
+        )
     sizes = []
     for i, stage in enumerate(stages):
         last = i == len(stages) - 1
         share = stage.get("share") if isinstance(stage, dict) else None
-        if not isinstance(stage, dict) or set(stage) - {"share", "task_args", "until"} or not isinstance(
-                stage.get("task_args", {}), dict) or (share is None) != last or (
-                share is not None and not (type(share) in (int, float) and 0 < share < 1)):
-            raise ValueError(f"data.curriculum[{i}]={stage!r}; expected {{share: fraction of data.train_size, "
-                             "task_args: {...}, until: {...}}} with 0 < share < 1, and no share on the last stage "
-                             "(it takes the rest).")
+        if (
+            not isinstance(stage, dict)
+            or set(stage) - {"share", "task_args", "until"}
+            or not isinstance(stage.get("task_args", {}), dict)
+            or (share is None) != last
+            or (share is not None and not (type(share) in (int, float) and 0 < share < 1))
+        ):
+            raise ValueError(
+                f"data.curriculum[{i}]={stage!r}; expected {{share: fraction of data.train_size, "
+                "task_args: {...}, until: {...}}} with 0 < share < 1, and no share on the last stage "
+                "(it takes the rest)."
+            )
         if "until" in stage:
             check_until(stage["until"], i, last)
         sizes.append(round(share * train_size) if share is not None else train_size - sum(sizes))
         if sizes[-1] < 1 or sum(sizes) > train_size:
-            raise ValueError(f"data.curriculum[{i}]={stage!r} gets {sizes[-1]} of data.train_size={train_size} "
-                             f"rows ({sum(sizes)} so far); every stage needs at least one and the shares at most 1 "
-                             "in all.")
+            raise ValueError(
+                f"data.curriculum[{i}]={stage!r} gets {sizes[-1]} of data.train_size={train_size} "
+                f"rows ({sum(sizes)} so far); every stage needs at least one and the shares at most 1 "
+                "in all."
+            )
     held_out = {row["prompt"] for row in taken}
     seen, rows = set(held_out), []
     for i, (stage, size) in enumerate(zip(stages, sizes)):
@@ -218,8 +248,10 @@ def curriculum_rows(source: str, stages: list[dict], task_args: dict | list[dict
             lap += 1
             again = _new_rows(source, options, seed + 1 + i + 1000 * lap, wanted, held_out, i)
             if not again:
-                raise ValueError(f"data.curriculum[{i}]: {source} with {options!r} has no question that is not "
-                                 f"held out (data.val_size={len(taken)}).")
+                raise ValueError(
+                    f"data.curriculum[{i}]: {source} with {options!r} has no question that is not "
+                    f"held out (data.val_size={len(taken)})."
+                )
             stage_rows += again[: wanted - len(stage_rows)]
         seen.update(row["prompt"] for row in stage_rows)
         rows.append(stage_rows)
@@ -244,11 +276,17 @@ def check_until(until: object, stage: int, last: bool) -> None:
     ``until`` is ``{accuracy: a, pairs: n}``: the stage ends once the pairwise accuracy of its
     last ``n`` training pairs (each scored before the step that trains on it) is at least ``a``.
     """
-    expected = ("expected {accuracy: a, pairs: n} with 0 < a <= 1 and n >= 1 (end the stage once its last n "
-                "training pairs score at least a), on a stage that has one after it")
-    if last or not isinstance(until, dict) or set(until) != {"accuracy", "pairs"} or not (
-            type(until["accuracy"]) in (int, float) and 0 < until["accuracy"] <= 1) or not (
-            type(until["pairs"]) is int and until["pairs"] >= 1):
+    expected = (
+        "expected {accuracy: a, pairs: n} with 0 < a <= 1 and n >= 1 (end the stage once its last n "
+        "training pairs score at least a), on a stage that has one after it"
+    )
+    if (
+        last
+        or not isinstance(until, dict)
+        or set(until) != {"accuracy", "pairs"}
+        or not (type(until["accuracy"]) in (int, float) and 0 < until["accuracy"] <= 1)
+        or not (type(until["pairs"]) is int and until["pairs"] >= 1)
+    ):
         raise ValueError(f"data.curriculum[{stage}].until={until!r}; {expected}.")
 
 
@@ -259,17 +297,29 @@ def check_slices(source: str, slices: dict[str, dict]) -> None:
     with ``task_args``: slices are questions a built-in task generates.
     """
     if slices and source not in TASKS:
-        warnings.warn(f"data.val_slices={slices!r} ignored: they are held-out questions of the built-in tasks "
-                      f"{sorted(TASKS)}, and data.source={source!r} is not one of them; hold out rows of your "
-                      "data with data.val_split (or data.val_size).", stacklevel=3)
+        warnings.warn(
+            f"data.val_slices={slices!r} ignored: they are held-out questions of the built-in tasks "
+            f"{sorted(TASKS)}, and data.source={source!r} is not one of them; hold out rows of your "
+            "data with data.val_split (or data.val_size).",
+            stacklevel=3,
+        )
     for name, options in slices.items():
         if not name or "/" in name or not isinstance(options, dict):
-            raise ValueError(f"data.val_slices[{name!r}]={options!r}; expected a name without '/' mapped "
-                             "to task options, e.g. {'3+2': {'digits': [3, 2]}}.")
+            raise ValueError(
+                f"data.val_slices[{name!r}]={options!r}; expected a name without '/' mapped "
+                "to task options, e.g. {'3+2': {'digits': [3, 2]}}."
+            )
 
 
-def held_out_slices(source: str, slices: dict[str, dict], task_args: dict | list[dict] | None,
-                    columns: dict[str, str], seed: int, size: int, taken: list[dict]) -> dict[str, list[dict]]:
+def held_out_slices(
+    source: str,
+    slices: dict[str, dict],
+    task_args: dict | list[dict] | None,
+    columns: dict[str, str],
+    seed: int,
+    size: int,
+    taken: list[dict],
+) -> dict[str, list[dict]]:
     """Rows of ``data.val_slices``: ``size`` per slice, none of whose prompts is one of ``taken``'s.
 
     Args:
@@ -301,12 +351,13 @@ def held_out_slices(source: str, slices: dict[str, dict], task_args: dict | list
                 break
             except ValueError as error:
                 if n == size:
-                    raise ValueError(f"data.val_slices[{name!r}]={options!r}: {error} "
-                                     f"(data.val_size={size})") from None
+                    raise ValueError(f"data.val_slices[{name!r}]={options!r}: {error} (data.val_size={size})") from None
         rows = [row for row in rename_columns(raw, columns, source) if row["prompt"] not in taken]
         if not rows:
-            raise ValueError(f"data.val_slices[{name!r}]={options!r}: every question it generates is also a "
-                             "training prompt; a slice holds out questions of another form.")
+            raise ValueError(
+                f"data.val_slices[{name!r}]={options!r}: every question it generates is also a "
+                "training prompt; a slice holds out questions of another form."
+            )
         held_out[name] = rows[:size]
     return held_out
 
@@ -381,8 +432,7 @@ def check_utf8(path: Path, name: str) -> None:
             offset, lines = offset + len(block), lines + block.count(b"\n")
 
 
-def rename_columns(rows: list[dict], columns: dict[str, str], source: str,
-                   require_prompt: bool = True) -> list[dict]:
+def rename_columns(rows: list[dict], columns: dict[str, str], source: str, require_prompt: bool = True) -> list[dict]:
     """Apply the column map (``our name -> dataset column``) and check it.
 
     Raises:

@@ -53,8 +53,9 @@ SLIPS = ("off_by_1", "off_by_10", "swapped")
 the tens digit off by one, the last two digits swapped."""
 
 
-def arithmetic_preferences(n: int, seed: int, digits: int | list[int] = 2, ops: str = "+-*",
-                           slips: list[str] | dict[str, float] | None = None) -> list[dict]:
+def arithmetic_preferences(
+    n: int, seed: int, digits: int | list[int] = 2, ops: str = "+-*", slips: list[str] | dict[str, float] | None = None
+) -> list[dict]:
     """Generate ``n`` arithmetic preference pairs: a right and a wrong answer.
 
     The questions are those of :func:`arithmetic` with the same arguments.
@@ -77,20 +78,27 @@ def arithmetic_preferences(n: int, seed: int, digits: int | list[int] = 2, ops: 
         Rows with ``prompt``, ``chosen``, ``rejected`` and ``answer``.
     """
     unknown = sorted(set(slips or ()) - set(SLIPS))
-    if slips is not None and (unknown or not slips or (isinstance(slips, dict) and not all(
-            type(w) in (int, float) and w > 0 for w in slips.values()))):
-        raise ValueError(f"arithmetic_preferences slips={slips!r}; expected a non-empty list drawn from {SLIPS}, "
-                         "or a mapping of those kinds to positive weights.")
+    if slips is not None and (
+        unknown
+        or not slips
+        or (isinstance(slips, dict) and not all(type(w) in (int, float) and w > 0 for w in slips.values()))
+    ):
+        raise ValueError(
+            f"arithmetic_preferences slips={slips!r}; expected a non-empty list drawn from {SLIPS}, "
+            "or a mapping of those kinds to positive weights."
+        )
     rng = random.Random(seed + 1)  # a stream of its own: questions stay those of `arithmetic`
     rows = []
     for a, op, b in _operands(n, seed, digits, ops):
         right = _OPS[op](a, b)
-        rows.append({
-            "prompt": f"What is {a} {op} {b}?",
-            "chosen": f"{a} {op} {b} = {right}",
-            "rejected": f"{a} {op} {b} = {draw_near_miss(rng, right, slips)}",
-            "answer": str(right),
-        })
+        rows.append(
+            {
+                "prompt": f"What is {a} {op} {b}?",
+                "chosen": f"{a} {op} {b} = {right}",
+                "rejected": f"{a} {op} {b} = {draw_near_miss(rng, right, slips)}",
+                "answer": str(right),
+            }
+        )
     return rows
 
 
@@ -114,8 +122,10 @@ def arithmetic_sft(n: int, seed: int, digits: int | list[int] = 2, ops: str = "+
     Returns:
         Rows with ``prompt``, ``completion`` and ``answer``.
     """
-    return [{"prompt": row["prompt"], "completion": row["chosen"], "answer": row["answer"]}
-            for row in arithmetic_preferences(n, seed, digits, ops)]
+    return [
+        {"prompt": row["prompt"], "completion": row["chosen"], "answer": row["answer"]}
+        for row in arithmetic_preferences(n, seed, digits, ops)
+    ]
 
 
 def near_misses(right: int) -> list[int]:
@@ -146,13 +156,17 @@ def _operands(n: int, seed: int, digits: int | list[int], ops: str) -> list[tupl
         raise ValueError(f"task ops={ops!r}; expected a non-empty string drawn from '+-*'.")
     counts = [digits, digits] if isinstance(digits, int) else list(digits)
     if len(counts) != 2 or any(not isinstance(d, int) or d < 1 for d in counts):
-        raise ValueError(f"task digits={digits!r}; expected an integer >= 1, or two of them "
-                         "([digits of A, digits of B]).")
+        raise ValueError(
+            f"task digits={digits!r}; expected an integer >= 1, or two of them ([digits of A, digits of B])."
+        )
     (low_a, high_a), (low_b, high_b) = [(0 if d == 1 else 10 ** (d - 1), 10**d - 1) for d in counts]
     capacity = (high_a - low_a + 1) * (high_b - low_b + 1) * len(ops)
     if n > capacity:
-        raise TooFewQuestions(f"arithmetic task with digits={digits!r}, ops={ops!r}: {n} questions asked, "
-                              f"it has {capacity} distinct ones.", capacity)
+        raise TooFewQuestions(
+            f"arithmetic task with digits={digits!r}, ops={ops!r}: {n} questions asked, "
+            f"it has {capacity} distinct ones.",
+            capacity,
+        )
     rng = random.Random(seed)
     seen: dict[tuple[int, str, int], None] = {}  # insertion-ordered set
     while len(seen) < n:
@@ -224,25 +238,33 @@ def reasoning_gym(n: int, seed: int, name: str | None = None, **config) -> list[
     try:
         import reasoning_gym
     except ImportError:
-        raise ValueError("data.source='reasoning_gym' needs the reasoning-gym package: pip install "
-                         "'lit_grpo[reasoning]' (or pip install reasoning-gym).") from None
+        raise ValueError(
+            "data.source='reasoning_gym' needs the reasoning-gym package: pip install "
+            "'lit_grpo[reasoning]' (or pip install reasoning-gym)."
+        ) from None
     tasks = sorted(reasoning_gym.factory.DATASETS)
     if name not in reasoning_gym.factory.DATASETS:
         close = difflib.get_close_matches(str(name), tasks, n=5, cutoff=0.5)
         hint = f"close ones: {close}" if close else f"its {len(tasks)} tasks begin {tasks[:8]}"
-        raise ValueError(f"data.task_args.name={name!r} is not a reasoning-gym task; {hint} "
-                         "(reasoning_gym.factory.DATASETS lists them all).")
+        raise ValueError(
+            f"data.task_args.name={name!r} is not a reasoning-gym task; {hint} "
+            "(reasoning_gym.factory.DATASETS lists them all)."
+        )
     for key, ours in (("size", "data.train_size"), ("seed", "data.seed")):
         if key in config:
-            raise ValueError(f"data.task_args.{key}={config[key]!r}: reasoning-gym's {key} is {ours} here; "
-                             f"drop it from task_args.")
+            raise ValueError(
+                f"data.task_args.{key}={config[key]!r}: reasoning-gym's {key} is {ours} here; drop it from task_args."
+            )
     try:
         dataset = reasoning_gym.create_dataset(name, size=n, seed=seed, **config)
     except (TypeError, ValueError, AssertionError) as error:
-        raise ValueError(f"data.task_args={{'name': {name!r}, **{config!r}}}: reasoning-gym refuses them: "
-                         f"{error}") from None
-    return [{"prompt": entry["question"], "answer": str(entry["answer"]), "metadata": entry["metadata"]}
-            for entry in dataset]
+        raise ValueError(
+            f"data.task_args={{'name': {name!r}, **{config!r}}}: reasoning-gym refuses them: {error}"
+        ) from None
+    return [
+        {"prompt": entry["question"], "answer": str(entry["answer"]), "metadata": entry["metadata"]}
+        for entry in dataset
+    ]
 
 
 TASKS: dict[str, Callable[..., list[dict]]] = {

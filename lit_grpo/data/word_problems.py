@@ -15,10 +15,38 @@ from __future__ import annotations
 
 import random
 
-NAMES = ("Ava", "Ben", "Chloe", "Dev", "Elena", "Farid", "Grace", "Hugo",
-         "Iris", "Jonas", "Kemi", "Liam", "Maya", "Noah", "Olga", "Priya")
-ITEMS = ("apples", "marbles", "stickers", "pencils", "cookies", "books", "stamps",
-         "shells", "cards", "eggs", "coins", "beads")
+NAMES = (
+    "Ava",
+    "Ben",
+    "Chloe",
+    "Dev",
+    "Elena",
+    "Farid",
+    "Grace",
+    "Hugo",
+    "Iris",
+    "Jonas",
+    "Kemi",
+    "Liam",
+    "Maya",
+    "Noah",
+    "Olga",
+    "Priya",
+)
+ITEMS = (
+    "apples",
+    "marbles",
+    "stickers",
+    "pencils",
+    "cookies",
+    "books",
+    "stamps",
+    "shells",
+    "cards",
+    "eggs",
+    "coins",
+    "beads",
+)
 
 # ``{new}`` in a phrasing hands the running quantity to a new person: the
 # following steps, and the question, are about them.
@@ -60,12 +88,28 @@ QUESTIONS = (
 )
 
 _TIMES = {2: "twice", 3: "three times", 4: "four times"}
-_FRACTIONS = {2: "half", 3: "a third", 4: "a quarter", 5: "a fifth", 6: "a sixth",
-              7: "a seventh", 8: "an eighth", 9: "a ninth", 10: "a tenth"}
+_FRACTIONS = {
+    2: "half",
+    3: "a third",
+    4: "a quarter",
+    5: "a fifth",
+    6: "a sixth",
+    7: "a seventh",
+    8: "an eighth",
+    9: "a ninth",
+    10: "a tenth",
+}
 
 
-def word_problems(n: int, seed: int, min_steps: int = 2, max_steps: int = 4, max_value: int = 100,
-                  ops: str = "+-*/", max_factor: int = 5) -> list[dict]:
+def word_problems(
+    n: int,
+    seed: int,
+    min_steps: int = 2,
+    max_steps: int = 4,
+    max_value: int = 100,
+    ops: str = "+-*/",
+    max_factor: int = 5,
+) -> list[dict]:
     """Generate ``n`` distinct multi-step word problems with integer answers.
 
     Args:
@@ -102,8 +146,9 @@ def word_problems(n: int, seed: int, min_steps: int = 2, max_steps: int = 4, max
 
 def _check(min_steps: int, max_steps: int, max_value: int, ops: str, max_factor: int) -> None:
     if not 1 <= min_steps <= max_steps:
-        raise ValueError(f"word_problems min_steps={min_steps}, max_steps={max_steps}; "
-                         "expected 1 <= min_steps <= max_steps.")
+        raise ValueError(
+            f"word_problems min_steps={min_steps}, max_steps={max_steps}; expected 1 <= min_steps <= max_steps."
+        )
     if not ops or set(ops) - set(TEMPLATES):
         raise ValueError(f"word_problems ops={ops!r}; expected a non-empty string drawn from '+-*/'.")
     if max_factor < 2:
@@ -112,8 +157,9 @@ def _check(min_steps: int, max_steps: int, max_value: int, ops: str, max_factor:
         raise ValueError(f"word_problems max_value={max_value}; expected >= 2 * max_factor = {2 * max_factor}.")
 
 
-def _chain(rng: random.Random, count: int, max_value: int, ops: str,
-           max_factor: int) -> tuple[int, list[tuple[str, int]]] | None:
+def _chain(
+    rng: random.Random, count: int, max_value: int, ops: str, max_factor: int
+) -> tuple[int, list[tuple[str, int]]] | None:
     """A start value and ``count`` steps that stay in ``1..max_value``; None if the draw got stuck."""
     start = value = rng.randint(2, max_value)
     steps = []
@@ -168,10 +214,17 @@ def _render(rng: random.Random, start: int, steps: list[tuple[str, int]]) -> dic
         template = rng.choice(TEMPLATES[op])
         new = person(name) if "{new}" in template else name
         friend = person(name) if "{friend}" in template else None
-        sentences.append(template.format(
-            name=name, new=new, friend=friend, n=operand, items=items,
-            times=_TIMES.get(operand, f"{operand} times"), fraction=_FRACTIONS.get(operand, f"1/{operand}"),
-        ))
+        sentences.append(
+            template.format(
+                name=name,
+                new=new,
+                friend=friend,
+                n=operand,
+                items=items,
+                times=_TIMES.get(operand, f"{operand} times"),
+                fraction=_FRACTIONS.get(operand, f"1/{operand}"),
+            )
+        )
         result = _apply(op, value, operand)
         lines.append(f"{new} has {value} {op} {operand} = {result} {items}.")
         name, value = new, result

@@ -12,7 +12,7 @@
 
 from lit_grpo.environments.factory import Environment, EnvironmentFactory
 from lit_grpo.environments.formats import CallFormat, HermesFormat, TemplateFormat, call_format
-from lit_grpo.environments.toolbox import ToolCall, ToolResult, Toolbox, run_concurrently
+from lit_grpo.environments.toolbox import Toolbox, ToolCall, ToolResult, run_concurrently
 
 __all__ = [
     "CallFormat",

@@ -25,8 +25,15 @@ MAX_RESULT_BITS = 4096  # ~1233 decimal digits: any larger integer is refused, n
 PYTHON_TIMEOUT = 5.0  # seconds; below Toolbox's default 10 s, so the sandbox's kill comes first
 PYTHON_OUTPUT_CHARS = 2000  # what the model reads of one run's output
 
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
 _UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
 
 
@@ -184,8 +191,15 @@ class GuessNumber:
             far leave open, as well as "higher" or "lower".
     """
 
-    def __init__(self, max_guesses: int = 4, low: int = 1, high: int = 10, seed: int = 0,
-                 consistency: float = 0.0, show_interval: bool = False) -> None:
+    def __init__(
+        self,
+        max_guesses: int = 4,
+        low: int = 1,
+        high: int = 10,
+        seed: int = 0,
+        consistency: float = 0.0,
+        show_interval: bool = False,
+    ) -> None:
         if max_guesses < 1:
             raise ValueError(f"GuessNumber max_guesses={max_guesses}; expected >= 1.")
         if consistency < 0:
@@ -206,8 +220,10 @@ class GuessNumber:
             raise ValueError(f"secret={secret!r} is outside the range {self.low}..{self.high}")
         self.secret, self.guesses, self.solved = int(secret), 0, False
         self.open, self.consistent = (self.low, self.high), 0  # what the answers so far leave possible
-        return (f"You have {_guesses(self.max_guesses)}. Call the guess tool with a number; it answers "
-                "higher, lower or correct.")
+        return (
+            f"You have {_guesses(self.max_guesses)}. Call the guess tool with a number; it answers "
+            "higher, lower or correct."
+        )
 
     def guess(self, number: int) -> str:
         """Guesses the secret number.
@@ -231,7 +247,8 @@ class GuessNumber:
             return "correct"
         self.open = (max(low, number + 1), high) if number < self.secret else (low, min(high, number - 1))
         interval = f": from {self.open[0]} to {self.open[1]}" if self.show_interval else ""
-        return f"{'higher' if number < self.secret else 'lower'}{interval} ({_guesses(self.max_guesses - self.guesses)} left)"
+        left = _guesses(self.max_guesses - self.guesses)
+        return f"{'higher' if number < self.secret else 'lower'}{interval} ({left} left)"
 
     @property
     def done(self) -> bool:

@@ -61,8 +61,14 @@ class EnvironmentFactory:
         tool_names: The names of its tool methods.
     """
 
-    def __init__(self, environment: str | Callable[[], object], init_args: dict | None = None, *,
-                 field: str = "data.episodes.environment", timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        environment: str | Callable[[], object],
+        init_args: dict | None = None,
+        *,
+        field: str = "data.episodes.environment",
+        timeout: float = 10.0,
+    ) -> None:
         self.init_args = dict(init_args or {})
         self.field = field
         self.timeout = timeout
@@ -73,27 +79,39 @@ class EnvironmentFactory:
                 raise ValueError(f"{field}.class_path={environment!r} is a {type(self.make).__name__}, not a class.")
         elif callable(environment):
             self.make = environment
-            self.class_path = f"{getattr(environment, '__module__', '?')}.{getattr(environment, '__qualname__', environment)}"
+            self.class_path = (
+                f"{getattr(environment, '__module__', '?')}.{getattr(environment, '__qualname__', environment)}"
+            )
             if self.init_args and not inspect.isclass(environment):
-                raise ValueError(f"{field}: init_args {self.init_args!r} given with the factory {self.class_path}; "
-                                 "a factory is called without arguments (bind them in it).")
+                raise ValueError(
+                    f"{field}: init_args {self.init_args!r} given with the factory {self.class_path}; "
+                    "a factory is called without arguments (bind them in it)."
+                )
         else:
-            raise ValueError(f"{field}={environment!r}; expected {{class_path: ..., init_args: {{...}}}}, an "
-                             "environment class, or a zero-argument factory returning an instance.")
+            raise ValueError(
+                f"{field}={environment!r}; expected {{class_path: ..., init_args: {{...}}}}, an "
+                "environment class, or a zero-argument factory returning an instance."
+            )
         probe = self._instance()
         self.cls = type(probe)
         if not callable(getattr(self.cls, "reset", None)):
             made = "" if inspect.isclass(self.make) else f" returns a {self.cls.__name__}, which"
-            raise ValueError(f"{field}: {self.class_path}{made} has no reset(self, **row) method; an environment "
-                             "needs one (it may return None).")
+            raise ValueError(
+                f"{field}: {self.class_path}{made} has no reset(self, **row) method; an environment "
+                "needs one (it may return None)."
+            )
         self.has_reward = callable(getattr(self.cls, "get_reward", None))
         if inspect.isfunction(getattr(self.cls, "done", None)):
-            raise ValueError(f"{field}: {self.class_path}.done is a method; make it a boolean attribute or a "
-                             "@property (True ends the episode after the turn's calls).")
+            raise ValueError(
+                f"{field}: {self.class_path}.done is a method; make it a boolean attribute or a "
+                "@property (True ends the episode after the turn's calls)."
+            )
         toolbox = self._toolbox(probe)
         if not toolbox.names:
-            raise ValueError(f"{field}: {self.class_path} has no tool methods; give it at least one public method "
-                             "with type hints and a Google-style docstring for the model to call.")
+            raise ValueError(
+                f"{field}: {self.class_path} has no tool methods; give it at least one public method "
+                "with type hints and a Google-style docstring for the model to call."
+            )
         self.tool_names = toolbox.names
 
     def new(self, row: dict) -> tuple[object, str | None, Toolbox]:
@@ -111,11 +129,15 @@ class EnvironmentFactory:
         try:
             text = instance.reset(**row)
         except Exception as error:
-            raise ValueError(f"{self.field}: {self.class_path}.reset raised {type(error).__name__}: {error} "
-                             f"on row {_short(row)}; fix the row or the environment's reset.") from error
+            raise ValueError(
+                f"{self.field}: {self.class_path}.reset raised {type(error).__name__}: {error} "
+                f"on row {_short(row)}; fix the row or the environment's reset."
+            ) from error
         if text is not None and not isinstance(text, str):
-            raise ValueError(f"{self.field}: {self.class_path}.reset returned a {type(text).__name__} on row "
-                             f"{_short(row)}; expected the text to append to the prompt, or None.")
+            raise ValueError(
+                f"{self.field}: {self.class_path}.reset returned a {type(text).__name__} on row "
+                f"{_short(row)}; expected the text to append to the prompt, or None."
+            )
         return instance, text, self._toolbox(instance)
 
     def check(self, rows: Sequence[dict]) -> None:
@@ -131,13 +153,18 @@ class EnvironmentFactory:
         try:
             return self.make(**self.init_args)
         except Exception as error:
-            raise ValueError(f"{self.field}: {self.class_path}(**{self.init_args!r}) raised "
-                             f"{type(error).__name__}: {error}; check {self.field}.init_args.") from error
+            raise ValueError(
+                f"{self.field}: {self.class_path}(**{self.init_args!r}) raised "
+                f"{type(error).__name__}: {error}; check {self.field}.init_args."
+            ) from error
 
     def _toolbox(self, instance: object) -> Toolbox:
         # Read names off the class, so building the toolbox evaluates no property of the instance.
-        methods = [getattr(instance, name) for name, _ in inspect.getmembers(self.cls, inspect.isfunction)
-                   if not name.startswith("_") and name not in _RESERVED]
+        methods = [
+            getattr(instance, name)
+            for name, _ in inspect.getmembers(self.cls, inspect.isfunction)
+            if not name.startswith("_") and name not in _RESERVED
+        ]
         return Toolbox(methods, timeout=self.timeout, field=f"{self.field} ({self.class_path} tool methods)")
 
 
@@ -157,8 +184,10 @@ def environment_rewards(environments: list) -> list[float | None]:
     Raises:
         ValueError: A ``get_reward()`` returned something that is not a finite number.
     """
-    return [_environment_reward(env, row) if callable(getattr(env, "get_reward", None)) else None
-            for row, env in enumerate(environments)]
+    return [
+        _environment_reward(env, row) if callable(getattr(env, "get_reward", None)) else None
+        for row, env in enumerate(environments)
+    ]
 
 
 def _environment_reward(environment, row: int) -> float:
@@ -166,11 +195,15 @@ def _environment_reward(environment, row: int) -> float:
     try:
         value = environment.get_reward()
     except Exception as error:
-        raise ValueError(f"{name} raised {error!r} on row {row}; its traceback is above. Fix the "
-                         "environment: get_reward() must return the finished episode's reward.") from error
+        raise ValueError(
+            f"{name} raised {error!r} on row {row}; its traceback is above. Fix the "
+            "environment: get_reward() must return the finished episode's reward."
+        ) from error
     if not isinstance(value, numbers.Real) and not (isinstance(value, torch.Tensor) and value.numel() == 1):
-        raise ValueError(f"{name} returned {value!r} ({type(value).__name__}) on row {row}; expected a number "
-                         "(the episode's reward: return 0.0 for an episode that earned nothing).")
+        raise ValueError(
+            f"{name} returned {value!r} ({type(value).__name__}) on row {row}; expected a number "
+            "(the episode's reward: return 0.0 for an episode that earned nothing)."
+        )
     if not math.isfinite(float(value)):
         raise ValueError(f"{name} returned {float(value)} on row {row}; expected a finite number.")
     return float(value)

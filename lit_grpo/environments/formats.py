@@ -45,10 +45,18 @@ HERMES_SYSTEM = (
 _SENTINEL = "\x00lit_grpo-turn\x00"
 _PROBE_TOOL = "lit_grpo_probe_tool"
 _PROBE_ARGS = {"lit_grpo_probe_arg": "lit_grpo_probe_value"}
-_PROBE_SCHEMA = {"type": "function", "function": {
-    "name": _PROBE_TOOL, "description": "A probe.",
-    "parameters": {"type": "object", "properties": {"lit_grpo_probe_arg": {"type": "string"}},
-                   "required": ["lit_grpo_probe_arg"]}}}
+_PROBE_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": _PROBE_TOOL,
+        "description": "A probe.",
+        "parameters": {
+            "type": "object",
+            "properties": {"lit_grpo_probe_arg": {"type": "string"}},
+            "required": ["lit_grpo_probe_arg"],
+        },
+    },
+}
 _PROBE_USER = {"role": "user", "content": "lit_grpo probe question"}
 
 
@@ -141,8 +149,10 @@ class HermesFormat(_JsonCalls):
     def results_text(self, tokenizer, results: list[ToolResult]) -> str:
         """Each result as ``<tool_response>...</tool_response>`` in a tool (or user) message."""
         role = _result_role(tokenizer)
-        messages = [{"role": role, "name": r.name, "content": f"<tool_response>\n{r.content}\n</tool_response>"}
-                    for r in results]
+        messages = [
+            {"role": role, "name": r.name, "content": f"<tool_response>\n{r.content}\n</tool_response>"}
+            for r in results
+        ]
         return _suffix(tokenizer, self.stop, messages)
 
 
@@ -193,7 +203,7 @@ def _learn_template_format(tokenizer) -> TemplateFormat | None:
     head, _, turn_end = with_text.partition(_SENTINEL)
     if not head or not with_call.startswith(head):
         return None
-    written = with_call[len(head):]
+    written = with_call[len(head) :]
     start = written.find("{")
     try:
         value, end = json.JSONDecoder().raw_decode(written, start)
@@ -230,8 +240,9 @@ def _render(tokenizer, messages: list[dict], **kwargs) -> str:
 def _result_role(tokenizer) -> str:
     """``tool`` when the template renders a tool message's content, else ``user``."""
     try:
-        text = _render(tokenizer, [_PROBE_USER, {"role": "assistant", "content": "x"},
-                                   {"role": "tool", "content": _SENTINEL}])
+        text = _render(
+            tokenizer, [_PROBE_USER, {"role": "assistant", "content": "x"}, {"role": "tool", "content": _SENTINEL}]
+        )
     except Exception:  # e.g. "Conversation roles must alternate user/assistant"
         return "user"
     return "tool" if _SENTINEL in text else "user"
@@ -242,4 +253,4 @@ def _suffix(tokenizer, stop: str, messages: list[dict]) -> str:
     turn = {"role": "assistant", "content": _SENTINEL}
     full = _render(tokenizer, [_PROBE_USER, turn, *messages], add_generation_prompt=True)
     after = full.split(_SENTINEL, 1)[1]
-    return after[len(stop):] if after.startswith(stop) else after
+    return after[len(stop) :] if after.startswith(stop) else after

@@ -30,8 +30,9 @@ class TextArenaGame:
         try:
             import textarena
         except ImportError:
-            raise ValueError("lit_grpo.environments.textarena.TextArenaGame needs textarena: pip install "
-                             "textarena.") from None
+            raise ValueError(
+                "lit_grpo.environments.textarena.TextArenaGame needs textarena: pip install textarena."
+            ) from None
         self.textarena, self.env_id, self.action_format = textarena, env_id, action_format
         self.done, self.reward = False, 0.0
 

@@ -36,8 +36,12 @@ from transformers.utils import get_json_schema
 
 # JSON-schema types get_json_schema writes for simple hints -> the Python values a call may carry.
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
-    "string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
-    "array": (list,), "object": (dict,),
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "array": (list,),
+    "object": (dict,),
 }
 
 
@@ -103,8 +107,9 @@ class Toolbox:
             self.schemas.append(schema)
 
     @classmethod
-    def from_config(cls, entries: Sequence[str | Callable], *, timeout: float = 10.0,
-                    field: str = "data.episodes.tools") -> Toolbox:
+    def from_config(
+        cls, entries: Sequence[str | Callable], *, timeout: float = 10.0, field: str = "data.episodes.tools"
+    ) -> Toolbox:
         """Tools given as callables (TRL's ``tools=[...]``; sync or ``async def``) or dotted paths, e.g.
         ``"lit_grpo.environments.builtin.calculator"``.
 
@@ -117,8 +122,10 @@ class Toolbox:
         for i, entry in enumerate(entries):
             tool = import_object(entry, f"{field}[{i}]") if isinstance(entry, str) else entry
             if not callable(tool):
-                raise ValueError(f"{field}[{i}]={entry!r} is a {type(tool).__name__}, not a callable; "
-                                 "give a function with type hints and a Google-style docstring, or its dotted path.")
+                raise ValueError(
+                    f"{field}[{i}]={entry!r} is a {type(tool).__name__}, not a callable; "
+                    "give a function with type hints and a Google-style docstring, or its dotted path."
+                )
             tools.append(tool)
         return cls(tools, timeout=timeout, field=field)
 
@@ -142,8 +149,11 @@ class Toolbox:
     def _run_one(self, call: ToolCall) -> ToolResult:
         tool = self.tools.get(call.name)
         if tool is None:
-            return ToolResult(call.name, f"Error: unknown tool {call.name!r}; the available tools are "
-                                         f"{', '.join(self.names) or '(none)'}.", error=True)
+            return ToolResult(
+                call.name,
+                f"Error: unknown tool {call.name!r}; the available tools are {', '.join(self.names) or '(none)'}.",
+                error=True,
+            )
         problem = _argument_problem(tool, self.schemas[self.names.index(call.name)], call.arguments)
         if problem:
             return ToolResult(call.name, f"Error: bad arguments for {call.name}: {problem}", error=True)
@@ -199,8 +209,10 @@ def import_object(path: str, where: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
-        raise ValueError(f"{where}={path!r}: cannot import module {module_name!r} ({error}); "
-                         "check the spelling and that the package is installed.") from error
+        raise ValueError(
+            f"{where}={path!r}: cannot import module {module_name!r} ({error}); "
+            "check the spelling and that the package is installed."
+        ) from error
     if not hasattr(module, attr):
         raise ValueError(f"{where}={path!r}: module {module_name!r} has no attribute {attr!r}.")
     return getattr(module, attr)
@@ -247,16 +259,16 @@ def _call_with_timeout(tool: Callable, call: ToolCall, timeout: float) -> ToolRe
     thread.join(timeout)
     seconds = time.monotonic() - start
     if thread.is_alive():
-        return ToolResult(call.name, f"Error: {call.name} timed out after {timeout:g}s.", error=True,
-                          timed_out=True, seconds=seconds)
+        return ToolResult(
+            call.name, f"Error: {call.name} timed out after {timeout:g}s.", error=True, timed_out=True, seconds=seconds
+        )
     if "error" in outcome:
         error = outcome["error"]
         return ToolResult(call.name, f"Error: {type(error).__name__}: {error}", error=True, seconds=seconds)
     text = _as_text(outcome["value"])
     if text is None:
         kind = type(outcome["value"]).__name__
-        return ToolResult(call.name, f"Error: {call.name} returned {kind}, not text.", error=True,
-                          seconds=seconds)
+        return ToolResult(call.name, f"Error: {call.name} returned {kind}, not text.", error=True, seconds=seconds)
     return ToolResult(call.name, text, seconds=seconds)
 
 

@@ -39,8 +39,8 @@ from lightning.pytorch.cli import LightningCLI
 from tqdm.auto import tqdm
 
 from lit_grpo.algorithms.grpo import GRPOModule
-from lit_grpo.environments.factory import environment_rewards
 from lit_grpo.data.grpo import OnPolicyDataModule
+from lit_grpo.environments.factory import environment_rewards
 from lit_grpo.generation.episodes import episode_stats
 from lit_grpo.model.policy import LoraSpec
 
@@ -63,12 +63,18 @@ def adapter_lora(folder: str | Path) -> LoraSpec:
     """
     config_file = Path(folder) / "adapter_config.json"
     if not config_file.is_file():
-        raise FileNotFoundError(f"--adapter={str(folder)!r}: no adapter_config.json there; expected a folder "
-                                "written by --export_adapter (or PeftModel.save_pretrained).")
+        raise FileNotFoundError(
+            f"--adapter={str(folder)!r}: no adapter_config.json there; expected a folder "
+            "written by --export_adapter (or PeftModel.save_pretrained)."
+        )
     config = json.loads(config_file.read_text())
     targets = config["target_modules"]
-    return LoraSpec(r=config["r"], alpha=config["lora_alpha"], dropout=config.get("lora_dropout", 0.0),
-                    target_modules=sorted(targets) if isinstance(targets, list) else targets)
+    return LoraSpec(
+        r=config["r"],
+        alpha=config["lora_alpha"],
+        dropout=config.get("lora_dropout", 0.0),
+        target_modules=sorted(targets) if isinstance(targets, list) else targets,
+    )
 
 
 def load_adapter(module: GRPOModule, folder: str | Path) -> None:
@@ -91,9 +97,11 @@ def load_adapter(module: GRPOModule, folder: str | Path) -> None:
         detail = next((line.strip() for line in str(error).splitlines() if "size mismatch" in line), "")
         raise ValueError(f"{_does_not_fit(module, folder)}: {detail} {_retry(folder)}") from error
     if result.unexpected_keys:
-        raise ValueError(f"--adapter={str(folder)!r} holds weights this model has no place for, e.g. "
-                         f"{result.unexpected_keys[0]!r}; was it trained on policy.name_or_path="
-                         f"{module.spec.name_or_path!r}?")
+        raise ValueError(
+            f"--adapter={str(folder)!r} holds weights this model has no place for, e.g. "
+            f"{result.unexpected_keys[0]!r}; was it trained on policy.name_or_path="
+            f"{module.spec.name_or_path!r}?"
+        )
 
 
 def check_adapter_shapes(module: GRPOModule, folder: str | Path) -> None:
@@ -110,14 +118,18 @@ def check_adapter_shapes(module: GRPOModule, folder: str | Path) -> None:
     with safe_open(Path(folder) / "adapter_model.safetensors", framework="pt") as f:
         saved = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
     # save_embedding_layers=False: "auto" would look the base model up (on the hub, for a hub id).
-    ours = {key: tuple(weight.shape) for key, weight in
-            get_peft_model_state_dict(module.policy, save_embedding_layers=False).items()}
+    ours = {
+        key: tuple(weight.shape)
+        for key, weight in get_peft_model_state_dict(module.policy, save_embedding_layers=False).items()
+    }
     mismatched = [key for key in ours if key in saved and saved[key] != ours[key]]
     if mismatched:
         key = mismatched[0]
-        raise ValueError(f"{_does_not_fit(module, folder)}: {len(mismatched)} of its {len(saved)} weights have "
-                         f"another shape here, e.g. {key}: {saved[key]} in the adapter, {ours[key]} in this "
-                         f"model. {_retry(folder)}")
+        raise ValueError(
+            f"{_does_not_fit(module, folder)}: {len(mismatched)} of its {len(saved)} weights have "
+            f"another shape here, e.g. {key}: {saved[key]} in the adapter, {ours[key]} in this "
+            f"model. {_retry(folder)}"
+        )
 
 
 def _does_not_fit(module: GRPOModule, folder: str | Path) -> str:
@@ -127,15 +139,23 @@ def _does_not_fit(module: GRPOModule, folder: str | Path) -> str:
 def _retry(folder: str | Path) -> str:
     """Where the adapter came from (its ``adapter_config.json``) and what to do."""
     config = json.loads((Path(folder) / "adapter_config.json").read_text())
-    return (f"The adapter was trained on base_model_name_or_path={config.get('base_model_name_or_path')!r} (its "
-            "adapter_config.json); evaluate it on that base (model.policy.name_or_path), or pass an adapter "
-            "trained on this one.")
+    return (
+        f"The adapter was trained on base_model_name_or_path={config.get('base_model_name_or_path')!r} (its "
+        "adapter_config.json); evaluate it on that base (model.policy.name_or_path), or pass an adapter "
+        "trained on this one."
+    )
 
 
 @torch.no_grad()
-def evaluate(module: GRPOModule, datamodule: OnPolicyDataModule, samples: int, pass_k: list[int],
-             rows: list[dict] | None = None, progress: bool = True,
-             transcripts: list[dict] | None = None) -> dict[str, float]:
+def evaluate(
+    module: GRPOModule,
+    datamodule: OnPolicyDataModule,
+    samples: int,
+    pass_k: list[int],
+    rows: list[dict] | None = None,
+    progress: bool = True,
+    transcripts: list[dict] | None = None,
+) -> dict[str, float]:
     """Greedy accuracy and pass@k on ``rows`` (by default the validation prompts) of an attached
     module and DataModule; each greedy answer is appended to ``transcripts`` when given (see the
     module docstring)."""
@@ -151,8 +171,9 @@ def evaluate(module: GRPOModule, datamodule: OnPolicyDataModule, samples: int, p
         torch.manual_seed(datamodule.hparams.seed)
         for start in range(0, len(rows), size):
             batch = datamodule.collate_val(rows[start : start + size])
-            answers = module.engine.generate(batch["prompt_ids"], batch["prompt_mask"], sampling, greedy=True,
-                                             episodes=batch.get("episodes"))
+            answers = module.engine.generate(
+                batch["prompt_ids"], batch["prompt_mask"], sampling, greedy=True, episodes=batch.get("episodes")
+            )
             scores = datamodule.score_validation(batch["rows"], answers.texts, batch.get("environments")).tolist()
             greedy += scores
             records += answers.episodes or []
@@ -180,8 +201,9 @@ def evaluate(module: GRPOModule, datamodule: OnPolicyDataModule, samples: int, p
         stats = episode_stats(records)
         result.update({name: stats[f"episode/{name}"] for name in EPISODE_COLUMNS})
     if env_rewards:
-        result.update({"env_reward": sum(env_rewards) / len(env_rewards),
-                       "env_success": sum(successes) / len(successes)})
+        result.update(
+            {"env_reward": sum(env_rewards) / len(env_rewards), "env_success": sum(successes) / len(successes)}
+        )
     return result
 
 
@@ -195,8 +217,12 @@ def _transcripts(datamodule, rows: list[dict], answers, scores: list[float], rew
     texts = datamodule.full_completions(answers.texts)
     lines = []
     for i, (row, text, score) in enumerate(zip(rows, texts, scores)):
-        line = {"prompt": row["prompt"], "completion": text, "score": score,
-                "columns": {k: v for k, v in row.items() if k != "prompt"}}
+        line = {
+            "prompt": row["prompt"],
+            "completion": text,
+            "score": score,
+            "columns": {k: v for k, v in row.items() if k != "prompt"},
+        }
         if answers.episodes:
             line["turns"] = answers.episodes[i].messages
         if rewards:
@@ -209,31 +235,54 @@ class EvalCli(LightningCLI):
     """The ``lit-grpo eval`` parser: the fit config's model and data, plus what to score."""
 
     def add_arguments_to_parser(self, parser) -> None:
-        parser.add_argument("--adapter", type=str | None, default=None,
-                            help="A trained adapter folder (--export_adapter of a fit); none scores the base model.")
-        parser.add_argument("--samples", type=int, default=0,
-                            help="Sampled answers per prompt for pass@k (0: greedy accuracy only).")
-        parser.add_argument("--pass_k", type=list[int], default=[1],
-                            help="The k of pass@k, each at most --samples.")
+        parser.add_argument(
+            "--adapter",
+            type=str | None,
+            default=None,
+            help="A trained adapter folder (--export_adapter of a fit); none scores the base model.",
+        )
+        parser.add_argument(
+            "--samples", type=int, default=0, help="Sampled answers per prompt for pass@k (0: greedy accuracy only)."
+        )
+        parser.add_argument("--pass_k", type=list[int], default=[1], help="The k of pass@k, each at most --samples.")
         parser.add_argument("--out", type=str | None, default=None, help="Also write the figures to this JSON file.")
-        parser.add_argument("--transcripts", type=str | None, default=None,
-                            help="Also write every greedy answer (an episode's turns too) to this JSONL file.")
+        parser.add_argument(
+            "--transcripts",
+            type=str | None,
+            default=None,
+            help="Also write every greedy answer (an episode's turns too) to this JSONL file.",
+        )
         for name in ("export_adapter", "collective_timeout", "preemption_grace"):  # fit-only keys a fit config may hold
             parser.add_argument(f"--{name}", default=None, help="Read from a fit config and ignored here.")
 
     def instantiate_trainer(self, **kwargs) -> L.Trainer:
         # Only the accelerator matters: no logger, no checkpoints, one device.
         accelerator = self._get(self.config_init, "trainer", default={}).get("accelerator", "auto")
-        return L.Trainer(accelerator=accelerator, devices=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+        return L.Trainer(
+            accelerator=accelerator,
+            devices=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+        )
 
 
 def main(argv: list[str]) -> dict[str, float]:
     """``lit-grpo eval [--config FIT.yaml] [--adapter DIR] [--samples N --pass_k K ...] [--out FILE]
     [--transcripts FILE]``."""
-    cli = EvalCli(GRPOModule, OnPolicyDataModule, run=False, args=argv, save_config_callback=None,
-                  parser_kwargs={"prog": "lit-grpo eval",
-                                 "description": "Score a base model or base + adapter on held-out prompts."})
+    cli = EvalCli(
+        GRPOModule,
+        OnPolicyDataModule,
+        run=False,
+        args=argv,
+        save_config_callback=None,
+        parser_kwargs={
+            "prog": "lit-grpo eval",
+            "description": "Score a base model or base + adapter on held-out prompts.",
+        },
+    )
     config = cli.config
     samples, pass_k = config["samples"], config["pass_k"]
     if samples and any(not 1 <= k <= samples for k in pass_k):
@@ -246,12 +295,15 @@ def main(argv: list[str]) -> dict[str, float]:
         load_adapter(module, config["adapter"])
         module.engine.weights_changed()
     transcripts = {name: [] for name in ("validation", *datamodule.val_slices)} if config["transcripts"] else {}
-    result = {"model": module.spec.name_or_path, "adapter": config["adapter"],
-              **evaluate(module, datamodule, samples, pass_k if samples else [],
-                         transcripts=transcripts.get("validation"))}
-    slices = {name: evaluate(module, datamodule, samples, pass_k if samples else [], rows,
-                             transcripts=transcripts.get(name))
-              for name, rows in datamodule.val_slices.items()}
+    result = {
+        "model": module.spec.name_or_path,
+        "adapter": config["adapter"],
+        **evaluate(module, datamodule, samples, pass_k if samples else [], transcripts=transcripts.get("validation")),
+    }
+    slices = {
+        name: evaluate(module, datamodule, samples, pass_k if samples else [], rows, transcripts=transcripts.get(name))
+        for name, rows in datamodule.val_slices.items()
+    }
     if slices:
         result["slices"] = slices
     print(table(result))
@@ -262,8 +314,9 @@ def main(argv: list[str]) -> dict[str, float]:
     if transcripts:
         path = Path(config["transcripts"])
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(json.dumps({"set": name, **line}) + "\n"
-                                for name, lines in transcripts.items() for line in lines))
+        path.write_text(
+            "".join(json.dumps({"set": name, **line}) + "\n" for name, lines in transcripts.items() for line in lines)
+        )
         print(f"transcripts written to {path}")
     return result
 
@@ -271,12 +324,20 @@ def main(argv: list[str]) -> dict[str, float]:
 def table(result: dict) -> str:
     """The figures as a Markdown table: the validation prompts' row, then one per ``data.val_slices`` slice."""
     sets = {"validation": result, **result.get("slices", {})}
-    columns = ["prompts", "greedy_accuracy", *[k for k in result if k.startswith("pass@")],
-               *[k for k in (*EPISODE_COLUMNS, "env_reward", "env_success") if k in result]]
+    columns = [
+        "prompts",
+        "greedy_accuracy",
+        *[k for k in result if k.startswith("pass@")],
+        *[k for k in (*EPISODE_COLUMNS, "env_reward", "env_success") if k in result],
+    ]
     header = ["model", "adapter", "set", *columns]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, figures in sets.items():
-        cells = [str(result["model"]), str(result["adapter"] or "-"), name,
-                 *[f"{figures[c]:.3f}" if isinstance(figures[c], float) else str(figures[c]) for c in columns]]
+        cells = [
+            str(result["model"]),
+            str(result["adapter"] or "-"),
+            name,
+            *[f"{figures[c]:.3f}" if isinstance(figures[c], float) else str(figures[c]) for c in columns],
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

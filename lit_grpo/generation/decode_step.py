@@ -59,8 +59,13 @@ class ModelStep:
     def __call__(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """Logits ``[n, V]`` after feeding ``tokens [n]`` at ``positions [n]``."""
         self.attention = torch.cat([self.attention, self.attention.new_ones(len(tokens), 1)], dim=1)
-        return self.model(input_ids=tokens[:, None], attention_mask=self.attention, position_ids=positions[:, None],
-                          **with_cache(self.cache), use_cache=True).logits[:, -1]
+        return self.model(
+            input_ids=tokens[:, None],
+            attention_mask=self.attention,
+            position_ids=positions[:, None],
+            **with_cache(self.cache),
+            use_cache=True,
+        ).logits[:, -1]
 
     def select(self, rows: Tensor) -> None:
         """Keep only ``rows`` (finished ones leave the batch)."""
@@ -96,8 +101,7 @@ class Matmul:
         self.up = None
         if ranked:
             weights += [m.down for m in ranked]
-            blocks = [m.up if isinstance(m, LowRankLinear) else m.weight.new_zeros(m.out_features, 0)
-                      for m in linears]
+            blocks = [m.up if isinstance(m, LowRankLinear) else m.weight.new_zeros(m.out_features, 0) for m in linears]
             self.up = _pack(torch.block_diag(*blocks), self.dtype)  # [width, rank]
         biases = [m.bias for m in linears]
         if any(b is not None for b in biases):
@@ -112,8 +116,8 @@ class Matmul:
         out = torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.weight, self.bias, "none", [], "")
         if self.up is None:
             return out
-        low = torch.ops.mkldnn._linear_pointwise(out[..., self.width:], self.up, None, "none", [], "")
-        return out[..., :self.width] + low
+        low = torch.ops.mkldnn._linear_pointwise(out[..., self.width :], self.up, None, "none", [], "")
+        return out[..., : self.width] + low
 
 
 def _pack(weight: Tensor, dtype: torch.dtype) -> Tensor:
@@ -159,8 +163,10 @@ class LlamaStep:
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.layers, self.inner = model.model.layers, model.model
         dtype = step_dtype(model.lm_head.weight)
-        self.qkv = [Matmul(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, dtype=dtype)
-                    for layer in self.layers]
+        self.qkv = [
+            Matmul(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, dtype=dtype)
+            for layer in self.layers
+        ]
         self.o = [Matmul(layer.self_attn.o_proj, dtype=dtype) for layer in self.layers]
         self.gate_up = [Matmul(layer.mlp.gate_proj, layer.mlp.up_proj, dtype=dtype) for layer in self.layers]
         self.down = [Matmul(layer.mlp.down_proj, dtype=dtype) for layer in self.layers]
@@ -188,16 +194,16 @@ class LlamaStep:
         n, column = len(tokens), self.length
         hidden = self.inner.embed_tokens(tokens)  # [n, D]
         cos, sin = self.inner.rotary_emb(hidden, positions[:, None])  # [n, 1, d]
-        bias = self.bias[..., :column + 1]  # [n, 1, 1, L]
+        bias = self.bias[..., : column + 1]  # [n, 1, 1, L]
         qk_heads = self.heads + self.kv_heads
         for i, layer in enumerate(self.layers):
             qkv = self.qkv[i](layer.input_layernorm(hidden)).view(n, qk_heads + self.kv_heads, self.head_dim)
             qk = qkv[:, :qk_heads] * cos + _rotate_half(qkv[:, :qk_heads]) * sin  # [n, H + K, d]
-            self.keys[i][:, :, column] = qk[:, self.heads:]
+            self.keys[i][:, :, column] = qk[:, self.heads :]
             self.values[i][:, :, column] = qkv[:, qk_heads:]
-            q = qk[:, :self.heads].reshape(n, self.kv_heads, -1, self.head_dim)  # [n, K, H/K, d]: GQA groups
-            scores = q @ self.keys[i][:, :, :column + 1].transpose(-1, -2) * self.scale + bias  # [n, K, H/K, L]
-            out = scores.softmax(-1) @ self.values[i][:, :, :column + 1]  # [n, K, H/K, d]
+            q = qk[:, : self.heads].reshape(n, self.kv_heads, -1, self.head_dim)  # [n, K, H/K, d]: GQA groups
+            scores = q @ self.keys[i][:, :, : column + 1].transpose(-1, -2) * self.scale + bias  # [n, K, H/K, L]
+            out = scores.softmax(-1) @ self.values[i][:, :, : column + 1]  # [n, K, H/K, d]
             hidden = hidden + self.o[i](out.reshape(n, -1))
             gate, up = self.gate_up[i](layer.post_attention_layernorm(hidden)).chunk(2, dim=-1)
             hidden = hidden + self.down[i](layer.mlp.act_fn(gate) * up)
@@ -240,8 +246,11 @@ def llama_step_applies(model: nn.Module, length: int) -> bool:
         projections += [getattr(layer.self_attn, f"{name}_proj") for name in "qkvo"]
         projections += [getattr(layer.mlp, f"{name}_proj") for name in ("gate", "up", "down")]
     weight = model.lm_head.weight
-    return (all(type(m) in (nn.Linear, LowRankLinear) for m in projections) and not _sharded(model)
-            and can_pack(weight.device, step_dtype(weight)))
+    return (
+        all(type(m) in (nn.Linear, LowRankLinear) for m in projections)
+        and not _sharded(model)
+        and can_pack(weight.device, step_dtype(weight))
+    )
 
 
 def _sharded(model: nn.Module) -> bool:

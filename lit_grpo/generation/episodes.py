@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lit_grpo.environments import CallFormat, ToolCall, ToolResult, Toolbox, run_concurrently
+from lit_grpo.environments import CallFormat, Toolbox, ToolCall, ToolResult, run_concurrently
 from lit_grpo.generation.samples import Rollout
 
 # Why a turn ended: EOS, the call format's stop text, or a budget (the policy's or the trajectory's).
@@ -176,8 +176,9 @@ class Episodes:
             record.messages.append(message)
             calls = self.spec.call_format.parse(text) if reason == CALL else []
             if isinstance(calls, list) and calls:
-                message["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                                         for c in calls]
+                message["tool_calls"] = [
+                    {"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
+                ]
             budget_left = sum(self.sampled[row]) < self.max_new_tokens
             if reason == CALL and calls and record.turns < self.spec.max_turns and budget_left:
                 jobs[row] = calls
@@ -246,9 +247,18 @@ class Episodes:
             attention[i, : len(tokens)] = 1
             logprobs[i, : len(tokens)] = torch.tensor(self.logprobs[i])
         truncated = torch.tensor([r.budget_cut for r in self.records])
-        return Rollout(prompt_ids.repeat_interleave(repeat, 0).cpu(), prompt_mask.repeat_interleave(repeat, 0).cpu(),
-                       ids, mask, truncated, [r.answer for r in self.records], seconds,
-                       None if greedy else logprobs, completion_attention=attention, episodes=self.records)
+        return Rollout(
+            prompt_ids.repeat_interleave(repeat, 0).cpu(),
+            prompt_mask.repeat_interleave(repeat, 0).cpu(),
+            ids,
+            mask,
+            truncated,
+            [r.answer for r in self.records],
+            seconds,
+            None if greedy else logprobs,
+            completion_attention=attention,
+            episodes=self.records,
+        )
 
 
 # An engine that samples a whole turn per request: (rows, their contexts, their token budgets) -> each
@@ -272,8 +282,9 @@ def play_turns(state: Episodes, contexts: list[list[int]], sample_turns: TurnSam
     """
     live = list(range(len(contexts)))
     while live:
-        turns = sample_turns(live, [contexts[row] + state.tokens[row] for row in live],
-                             [state.room(row) for row in live])
+        turns = sample_turns(
+            live, [contexts[row] + state.tokens[row] for row in live], [state.room(row) for row in live]
+        )
         ended = {}
         for row, (tokens, logprobs) in zip(live, turns):
             for token, logprob in zip(tokens, logprobs or [None] * len(tokens)):

@@ -90,8 +90,9 @@ class _Skeleton:
     def __init__(self, policy: nn.Module, dtype: torch.dtype | None, multiplies: torch.dtype | None) -> None:
         # Copy the module tree only: every parameter becomes an empty meta tensor (the
         # memo makes deepcopy reuse it), so not even a transient copy of the weights is made.
-        memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
-                for p in policy.parameters()}
+        memo = {
+            id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False) for p in policy.parameters()
+        }
         model = copy.deepcopy(policy, memo)
         self.apart = low_rank_layers(policy, multiplies)
         if _is_peft(model):
@@ -100,15 +101,18 @@ class _Skeleton:
             down, _ = lora_factors(layer)
             model.set_submodule(name, LowRankLinear(model.get_submodule(name), len(down), down.dtype))
         factors = {f"{name}.{factor}" for name in self.apart for factor in ("down", "up")}  # stay in their dtype
-        self.empty = {name: torch.empty_like(p, dtype=p.dtype if name in factors else dtype or p.dtype)
-                      for name, p in model.named_parameters(remove_duplicate=False)}
+        self.empty = {
+            name: torch.empty_like(p, dtype=p.dtype if name in factors else dtype or p.dtype)
+            for name, p in model.named_parameters(remove_duplicate=False)
+        }
         # nn.Module's train(), not transformers' override: that one re-applies hub kernels on a
         # mode change (transformers >= 5.25 turns them on at load), which fails on meta tensors.
         self.model = nn.Module.train(model.requires_grad_(False), False)
 
 
-def merged_weights(policy: nn.Module, apart: set[str] = frozenset(),
-                   dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def merged_weights(
+    policy: nn.Module, apart: set[str] = frozenset(), dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
     """Every parameter of the plain model, by its name there (tied weights under each name).
 
     Adapted layers get ``W + delta`` for each active adapter, except those
@@ -122,8 +126,11 @@ def merged_weights(policy: nn.Module, apart: set[str] = frozenset(),
     from peft.tuners.lora import LoraLayer
 
     base = policy.get_base_model()
-    weights = {name.replace(".base_layer.", "."): p.detach()
-               for name, p in base.named_parameters(remove_duplicate=False) if ".lora_" not in name}
+    weights = {
+        name.replace(".base_layer.", "."): p.detach()
+        for name, p in base.named_parameters(remove_duplicate=False)
+        if ".lora_" not in name
+    }
     for name, module in base.named_modules():
         if isinstance(module, LoraLayer) and not module.merged and name not in apart:
             key = f"{name}.weight"
@@ -171,8 +178,14 @@ def low_rank_layers(policy: nn.Module, dtype: torch.dtype | None) -> dict:
     layers = {}
     for name, module in policy.get_base_model().named_modules():
         adapters = [a for a in module.active_adapters if a in module.lora_A] if isinstance(module, LoraLinear) else []
-        if (not adapters or module.merged or module.fan_in_fan_out or module.lora_variant
-                or type(module.base_layer) is not nn.Linear or any(module.lora_B[a].bias is not None for a in adapters)):
+        if (
+            not adapters
+            or module.merged
+            or module.fan_in_fan_out
+            or module.lora_variant
+            or type(module.base_layer) is not nn.Linear
+            or any(module.lora_B[a].bias is not None for a in adapters)
+        ):
             continue
         weights, adapter = dtype or module.base_layer.weight.dtype, module.lora_A[adapters[0]].weight.dtype
         if torch.finfo(weights).eps > torch.finfo(adapter).eps:
@@ -197,14 +210,16 @@ def trained_weight_names(policy: nn.Module) -> set[str]:
         return {name for name, p in policy.named_parameters(remove_duplicate=False) if p.requires_grad}
     from peft.tuners.lora import LoraLayer
 
-    return {f"{name}.weight" for name, module in policy.get_base_model().named_modules()
-            if isinstance(module, LoraLayer)}
+    return {
+        f"{name}.weight" for name, module in policy.get_base_model().named_modules() if isinstance(module, LoraLayer)
+    }
 
 
 def can_merge(policy: nn.Module) -> bool:
     """Whether :class:`MergedPolicy` reproduces ``policy``: plain weights, plain LoRA (no DoRA)."""
-    if any(getattr(p, "quant_state", None) is not None or p.dtype in (torch.uint8, torch.int8)
-           for p in policy.parameters()):
+    if any(
+        getattr(p, "quant_state", None) is not None or p.dtype in (torch.uint8, torch.int8) for p in policy.parameters()
+    ):
         return False  # 4-bit/8-bit weights: merging would re-quantize them
     if not _is_peft(policy):
         return True

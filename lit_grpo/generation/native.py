@@ -9,10 +9,10 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from lit_grpo.training.distributed import gathered
 from lit_grpo.generation.merged import MergedPolicy, can_merge
 from lit_grpo.generation.rollout import Rollout, SamplingSpec, generate
 from lit_grpo.model.policy import DTYPES
+from lit_grpo.training.distributed import gathered
 
 
 class NativeEngine:
@@ -32,12 +32,31 @@ class NativeEngine:
         self.merged: MergedPolicy | None = None  # built at the first call, on the policy's device
         self.merges = spec.merge and module.merges_for_generation
 
-    def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingSpec, *,
-                 greedy: bool = False, repeat: int | None = None, progress=None, episodes=None,
-                 generator: torch.Generator | None = None) -> Rollout:
+    def generate(
+        self,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        sampling: SamplingSpec,
+        *,
+        greedy: bool = False,
+        repeat: int | None = None,
+        progress=None,
+        episodes=None,
+        generator: torch.Generator | None = None,
+    ) -> Rollout:
         with self.model() as model:
-            return generate(model, self.module.tokenizer, prompt_ids, prompt_mask, sampling, greedy=greedy,
-                            repeat=repeat, generator=generator, progress=progress, episodes=episodes)
+            return generate(
+                model,
+                self.module.tokenizer,
+                prompt_ids,
+                prompt_mask,
+                sampling,
+                greedy=greedy,
+                repeat=repeat,
+                generator=generator,
+                progress=progress,
+                episodes=episodes,
+            )
 
     def ahead_refusal(self) -> str | None:
         """Why this engine cannot sample while the policy trains (:meth:`frozen`), or ``None``."""
@@ -47,8 +66,10 @@ class NativeEngine:
         if module.spec.lora is None:
             return "full fine-tuning has no adapter to freeze a copy of (train a LoRA adapter)"
         if not (self.merges and can_merge(module.policy)):
-            return ("sampling beside training decodes a merged copy of the weights, which this policy has none of "
-                    "(QLoRA, DoRA, model.generation.merge=false, or PPO's shared critic)")
+            return (
+                "sampling beside training decodes a merged copy of the weights, which this policy has none of "
+                "(QLoRA, DoRA, model.generation.merge=false, or PPO's shared critic)"
+            )
         return None
 
     def frozen(self, adapter: dict[str, Tensor] | None = None) -> FrozenSampler:
@@ -110,11 +131,30 @@ class FrozenSampler:
     def __init__(self, model: nn.Module, held, tokenizer, adapter: dict[str, Tensor]) -> None:
         self.model, self.held, self.tokenizer, self.adapter = model, held, tokenizer, adapter
 
-    def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingSpec, *,
-                 greedy: bool = False, repeat: int | None = None, progress=None, episodes=None,
-                 generator: torch.Generator | None = None) -> Rollout:
-        return generate(self.model, self.tokenizer, prompt_ids, prompt_mask, sampling, greedy=greedy,
-                        repeat=repeat, generator=generator, progress=progress, episodes=episodes)
+    def generate(
+        self,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        sampling: SamplingSpec,
+        *,
+        greedy: bool = False,
+        repeat: int | None = None,
+        progress=None,
+        episodes=None,
+        generator: torch.Generator | None = None,
+    ) -> Rollout:
+        return generate(
+            self.model,
+            self.tokenizer,
+            prompt_ids,
+            prompt_mask,
+            sampling,
+            greedy=greedy,
+            repeat=repeat,
+            generator=generator,
+            progress=progress,
+            episodes=episodes,
+        )
 
     def close(self) -> None:
         """Free the merged weights."""

@@ -63,8 +63,10 @@ class SamplingSpec:
         if self.max_new_tokens < 1:
             raise ValueError(f"sampling.max_new_tokens={self.max_new_tokens}; expected >= 1.")
         if self.ignore_eos and self.mask_truncated:
-            raise ValueError("sampling.mask_truncated=True with sampling.ignore_eos=True would drop every "
-                             "completion from the loss (none ends at EOS); set one of them to false.")
+            raise ValueError(
+                "sampling.mask_truncated=True with sampling.ignore_eos=True would drop every "
+                "completion from the loss (none ends at EOS); set one of them to false."
+            )
 
 
 def eos_ids(tokenizer, model: nn.Module) -> list[int]:
@@ -175,8 +177,19 @@ def generate(
         state = Episodes(episodes, tokenizer, sampling.max_new_tokens, eos.tolist())
     start = time.perf_counter()
     try:
-        completion_ids, logprobs = _decode(model, prompt_ids, prompt_mask, repeat, sampling, greedy, eos,
-                                           tokenizer.pad_token_id, generator, progress, state)  # [N, C] x 2
+        completion_ids, logprobs = _decode(
+            model,
+            prompt_ids,
+            prompt_mask,
+            repeat,
+            sampling,
+            greedy,
+            eos,
+            tokenizer.pad_token_id,
+            generator,
+            progress,
+            state,
+        )  # [N, C] x 2
     finally:
         model.train(was_training)
         if progress is not None:
@@ -184,12 +197,21 @@ def generate(
     seconds = time.perf_counter() - start
     if state is not None:
         return state.rollout(prompt_ids, prompt_mask, repeat, greedy, seconds)
-    return finish_rollout(tokenizer, prompt_ids, prompt_mask, repeat, completion_ids, None if greedy else logprobs,
-                          eos.tolist(), seconds)
+    return finish_rollout(
+        tokenizer, prompt_ids, prompt_mask, repeat, completion_ids, None if greedy else logprobs, eos.tolist(), seconds
+    )
 
 
-def finish_rollout(tokenizer, prompt_ids: Tensor, prompt_mask: Tensor, repeat: int, completion_ids: Tensor,
-                   logprobs: Tensor | None, eos: list[int], seconds: float) -> Rollout:
+def finish_rollout(
+    tokenizer,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    repeat: int,
+    completion_ids: Tensor,
+    logprobs: Tensor | None,
+    eos: list[int],
+    seconds: float,
+) -> Rollout:
     """A :class:`Rollout` from an engine's raw tokens (what every engine ends with).
 
     Args:
@@ -207,12 +229,21 @@ def finish_rollout(tokenizer, prompt_ids: Tensor, prompt_mask: Tensor, repeat: i
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     if logprobs is not None:
         logprobs = logprobs.masked_fill(mask == 0, 0.0).cpu()
-    return Rollout(prompt_ids.repeat_interleave(repeat, 0), prompt_mask.repeat_interleave(repeat, 0),
-                   completion_ids, mask, truncated, texts, seconds, logprobs)
+    return Rollout(
+        prompt_ids.repeat_interleave(repeat, 0),
+        prompt_mask.repeat_interleave(repeat, 0),
+        completion_ids,
+        mask,
+        truncated,
+        texts,
+        seconds,
+        logprobs,
+    )
 
 
-def _decode(model, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, pad, generator,
-            progress, episodes=None) -> tuple[Tensor, Tensor]:
+def _decode(
+    model, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, pad, generator, progress, episodes=None
+) -> tuple[Tensor, Tensor]:
     """Token ids and their log-probs, ``[B * repeat, max_new_tokens]`` each; each prompt's
     cache is computed once and repeated. With ``episodes`` (an
     :class:`~lit_grpo.generation.episodes.Episodes`) each step feeds every row
@@ -226,8 +257,14 @@ def _decode(model, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, pad, 
     active = torch.arange(n, device=prompt_ids.device)  # rows still writing
     positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]: left padding shifts starts
     cache = DynamicCache()
-    logits = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions,
-                   **with_cache(cache), use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
+    logits = model(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        position_ids=positions,
+        **with_cache(cache),
+        use_cache=True,
+        logits_to_keep=1,
+    ).logits[:, -1]  # [B, V]
     if repeat > 1:  # the samples of one prompt share its prefill
         cache.batch_repeat_interleave(repeat)
         logits = logits.repeat_interleave(repeat, 0)  # [n, V]
@@ -261,8 +298,9 @@ def _decode(model, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, pad, 
     return tokens, logprobs
 
 
-def _episode_step(episodes, active: Tensor, logits: Tensor, sampling: SamplingSpec, greedy: bool,
-                  generator) -> tuple[Tensor, Tensor]:
+def _episode_step(
+    episodes, active: Tensor, logits: Tensor, sampling: SamplingSpec, greedy: bool, generator
+) -> tuple[Tensor, Tensor]:
     """One step of episodes: rows with tool tokens queued feed the next one, the others sample;
     turns that end run their calls. Returns the tokens fed ``[n_active]`` and which rows go on."""
     rows = active.tolist()

@@ -44,12 +44,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lit_grpo.training.distributed import gathered
+from lit_grpo.generation.episodes import Episodes, play_turns
 from lit_grpo.generation.merged import merged_weights, trained_weight_names
 from lit_grpo.generation.rollout import Rollout, SamplingSpec, eos_ids, finish_rollout
-from lit_grpo.generation.episodes import Episodes, play_turns
 from lit_grpo.model.policy import DTYPES, EMBEDDED
 from lit_grpo.model.sources import embedded_model_dir
+from lit_grpo.training.distributed import gathered
+
 
 class VLLMEngine:
     """Samples with a colocated vLLM engine (see the module docstring).
@@ -75,8 +76,17 @@ class VLLMEngine:
         self.push_seconds = 0.0  # spent pushing weights, over the engine's life
 
     # ------------------------------------------------------------- sampling
-    def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingSpec, *,
-                 greedy: bool = False, repeat: int | None = None, progress=None, episodes=None) -> Rollout:
+    def generate(
+        self,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        sampling: SamplingSpec,
+        *,
+        greedy: bool = False,
+        repeat: int | None = None,
+        progress=None,
+        episodes=None,
+    ) -> Rollout:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -85,15 +95,19 @@ class VLLMEngine:
         if self.llm is None:
             self._start(longest)
         if longest > self.max_len:  # vLLM would silently stop every completion at its context length
-            raise ValueError(f"a prompt of {prompt_ids.shape[1]} tokens + sampling.max_new_tokens="
-                             f"{sampling.max_new_tokens} needs {longest} tokens, more than the vLLM engine's "
-                             f"context of {self.max_len}; raise model.generation.max_model_len.")
+            raise ValueError(
+                f"a prompt of {prompt_ids.shape[1]} tokens + sampling.max_new_tokens="
+                f"{sampling.max_new_tokens} needs {longest} tokens, more than the vLLM engine's "
+                f"context of {self.max_len}; raise model.generation.max_model_len."
+            )
         if self.stale:
             self.push_weights()
         tokenizer = self.module.tokenizer
         eos = [] if sampling.ignore_eos else eos_ids(tokenizer, self.module.policy)
-        prompts = [TokensPrompt(prompt_token_ids=row[mask.bool()].tolist())
-                   for row, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+        prompts = [
+            TokensPrompt(prompt_token_ids=row[mask.bool()].tolist())
+            for row, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())
+        ]
         # Greedy decoding draws nothing; sampling draws one seed per call from the caller's seeded RNG.
         # vLLM samples from torch's global generator when requests carry no seed of their own (and on
         # CPUs a per-request seed fails once a long prefill is split across steps).
@@ -101,9 +115,15 @@ class VLLMEngine:
         if episodes is not None:
             return self._episodes(prompts, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, seed, episodes)
         params = SamplingParams(
-            n=repeat, max_tokens=sampling.max_new_tokens, temperature=0.0 if greedy else sampling.temperature,
-            top_p=1.0 if greedy else sampling.top_p, top_k=0 if greedy else sampling.top_k,
-            stop_token_ids=eos, ignore_eos=sampling.ignore_eos, logprobs=None if greedy else 0, detokenize=False,
+            n=repeat,
+            max_tokens=sampling.max_new_tokens,
+            temperature=0.0 if greedy else sampling.temperature,
+            top_p=1.0 if greedy else sampling.top_p,
+            top_k=0 if greedy else sampling.top_k,
+            stop_token_ids=eos,
+            ignore_eos=sampling.ignore_eos,
+            logprobs=None if greedy else 0,
+            detokenize=False,
         )
         start = time.perf_counter()
         with _contained():  # the caller's RNG state is back afterwards, advanced by the one draw above
@@ -126,18 +146,33 @@ class VLLMEngine:
         contexts = [p["prompt_token_ids"] for p in prompts for _ in range(repeat)]
 
         def sample_turns(rows: list[int], texts: list[list[int]], rooms: list[int]):
-            params = [SamplingParams(
-                n=1, max_tokens=room, temperature=0.0 if greedy else sampling.temperature,
-                top_p=1.0 if greedy else sampling.top_p, top_k=0 if greedy else sampling.top_k,
-                stop_token_ids=eos, stop=[spec.call_format.stop], include_stop_str_in_output=True,
-                logprobs=None if greedy else 0, detokenize=True) for room in rooms]
-            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=text) for text in texts], params,
-                                        use_tqdm=False)
+            params = [
+                SamplingParams(
+                    n=1,
+                    max_tokens=room,
+                    temperature=0.0 if greedy else sampling.temperature,
+                    top_p=1.0 if greedy else sampling.top_p,
+                    top_k=0 if greedy else sampling.top_k,
+                    stop_token_ids=eos,
+                    stop=[spec.call_format.stop],
+                    include_stop_str_in_output=True,
+                    logprobs=None if greedy else 0,
+                    detokenize=True,
+                )
+                for room in rooms
+            ]
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=text) for text in texts], params, use_tqdm=False)
             turns = []
             for output in outputs:
                 sample = output.outputs[0]
-                turns.append((list(sample.token_ids), None if greedy else [
-                    step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)]))
+                turns.append(
+                    (
+                        list(sample.token_ids),
+                        None
+                        if greedy
+                        else [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)],
+                    )
+                )
             return turns
 
         start = time.perf_counter()
@@ -157,9 +192,19 @@ class VLLMEngine:
             ids = list(sample.token_ids)
             completion_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
             if not greedy:
-                logprobs[i, : len(ids)] = torch.tensor([step[token].logprob for step, token in zip(sample.logprobs, ids)])
-        return finish_rollout(tokenizer, prompt_ids.cpu(), prompt_mask.cpu(), repeat, completion_ids,
-                              None if greedy else logprobs, eos, seconds)
+                logprobs[i, : len(ids)] = torch.tensor(
+                    [step[token].logprob for step, token in zip(sample.logprobs, ids)]
+                )
+        return finish_rollout(
+            tokenizer,
+            prompt_ids.cpu(),
+            prompt_mask.cpu(),
+            repeat,
+            completion_ids,
+            None if greedy else logprobs,
+            eos,
+            seconds,
+        )
 
     # ------------------------------------------------------------- weights
     def weights_changed(self) -> None:
@@ -175,8 +220,10 @@ class VLLMEngine:
             weights = merged_weights(policy)
             if self.pushed is not None:
                 weights = {name: w for name, w in weights.items() if name in self.pushed}
-            batch = [(name, w.detach().to("cpu" if self._on_cpu else w.device, dtype).contiguous())
-                     for name, w in weights.items()]
+            batch = [
+                (name, w.detach().to("cpu" if self._on_cpu else w.device, dtype).contiguous())
+                for name, w in weights.items()
+            ]
         with _contained():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": batch, "is_checkpoint_format": True})
             self.llm.reset_prefix_cache()
@@ -230,12 +277,16 @@ def check_policy(policy_spec) -> None:
         ValueError: 4-bit base weights (QLoRA) or a GGUF file.
     """
     if policy_spec.load_in_4bit:
-        raise ValueError("model.generation.backend='vllm' with model.policy.load_in_4bit=true is not "
-                         "supported: vLLM would need the 4-bit weights de-quantized each step; use the "
-                         "native engine for QLoRA.")
+        raise ValueError(
+            "model.generation.backend='vllm' with model.policy.load_in_4bit=true is not "
+            "supported: vLLM would need the 4-bit weights de-quantized each step; use the "
+            "native engine for QLoRA."
+        )
     if policy_spec.gguf_file:
-        raise ValueError(f"model.generation.backend='vllm' cannot start from policy.gguf_file="
-                         f"{policy_spec.gguf_file!r}; convert it to a safetensors folder first.")
+        raise ValueError(
+            f"model.generation.backend='vllm' cannot start from policy.gguf_file="
+            f"{policy_spec.gguf_file!r}; convert it to a safetensors folder first."
+        )
 
 
 def _planned_length(module) -> int:

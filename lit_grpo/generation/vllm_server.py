@@ -37,9 +37,11 @@ from lit_grpo.generation.rollout import Rollout, SamplingSpec, eos_ids, finish_r
 from lit_grpo.model.policy import EMBEDDED
 from lit_grpo.model.sources import embedded_model_dir
 
-SERVE_HINT = ("start it with: VLLM_ALLOW_RUNTIME_LORA_UPDATING=True python -m vllm.entrypoints.openai.api_server "
-              "--model <the policy's folder> --enable-lora --max-lora-rank <lora.r> --logprobs-mode "
-              "processed_logprobs (docs/engines.md)")
+SERVE_HINT = (
+    "start it with: VLLM_ALLOW_RUNTIME_LORA_UPDATING=True python -m vllm.entrypoints.openai.api_server "
+    "--model <the policy's folder> --enable-lora --max-lora-rank <lora.r> --logprobs-mode "
+    "processed_logprobs (docs/engines.md)"
+)
 
 
 class ServerError(RuntimeError):
@@ -64,12 +66,16 @@ class VLLMServerEngine:
 
     def __init__(self, spec, module) -> None:
         if not spec.urls:
-            raise ValueError("model.generation.backend='vllm_server' needs model.generation.urls, e.g. "
-                             "['http://127.0.0.1:8000']; " + SERVE_HINT + ".")
+            raise ValueError(
+                "model.generation.backend='vllm_server' needs model.generation.urls, e.g. "
+                "['http://127.0.0.1:8000']; " + SERVE_HINT + "."
+            )
         if module.spec.lora is None:
-            raise ValueError("model.generation.backend='vllm_server' sends the LoRA adapter after each optimizer "
-                             "step; full fine-tuning would send the whole model: train a LoRA adapter "
-                             "(model.policy.lora), or sample with backend native or vllm.")
+            raise ValueError(
+                "model.generation.backend='vllm_server' sends the LoRA adapter after each optimizer "
+                "step; full fine-tuning would send the whole model: train a LoRA adapter "
+                "(model.policy.lora), or sample with backend native or vllm."
+            )
         self.spec, self.module = spec, module
         self.urls = [url.rstrip("/") for url in spec.urls]
         self.checked = False
@@ -89,47 +95,73 @@ class VLLMServerEngine:
             try:
                 served = self._request(url, "/v1/models", None, timeout=10)["data"]
             except (ServerError, KeyError) as error:
-                raise ValueError(f"model.generation.urls[{i}]={url!r} does not answer as a vLLM server ({error}); "
-                                 f"{SERVE_HINT}, or fix the URL.") from None
+                raise ValueError(
+                    f"model.generation.urls[{i}]={url!r} does not answer as a vLLM server ({error}); "
+                    f"{SERVE_HINT}, or fix the URL."
+                ) from None
             names = {str(m.get(key)) for m in served for key in ("id", "root") if m.get(key)}
             if not any(_same_model(name, folder) for name in names):
-                raise ValueError(f"model.generation.urls[{i}]={url!r} serves {sorted(names)}, not "
-                                 f"model.policy.name_or_path={policy.name_or_path!r} ({folder}); start the server "
-                                 "with --model on the policy's base model folder.")
+                raise ValueError(
+                    f"model.generation.urls[{i}]={url!r} serves {sorted(names)}, not "
+                    f"model.policy.name_or_path={policy.name_or_path!r} ({folder}); start the server "
+                    "with --model on the policy's base model folder."
+                )
         self.checked = True
         if self.current is None:
             self.current = self._load()
 
     # ------------------------------------------------------------- sampling
-    def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingSpec, *,
-                 greedy: bool = False, repeat: int | None = None, progress=None, episodes=None,
-                 generator: torch.Generator | None = None) -> Rollout:
+    def generate(
+        self,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        sampling: SamplingSpec,
+        *,
+        greedy: bool = False,
+        repeat: int | None = None,
+        progress=None,
+        episodes=None,
+        generator: torch.Generator | None = None,
+    ) -> Rollout:
         self.check()
         if self.current is None:
             self.current = self._load()
-        return self._generate(self.current.name, prompt_ids, prompt_mask, sampling, greedy, repeat, progress,
-                              episodes, generator)
+        return self._generate(
+            self.current.name, prompt_ids, prompt_mask, sampling, greedy, repeat, progress, episodes, generator
+        )
 
-    def _generate(self, name: str, prompt_ids, prompt_mask, sampling, greedy, repeat, progress, episodes,
-                  generator) -> Rollout:
+    def _generate(
+        self, name: str, prompt_ids, prompt_mask, sampling, greedy, repeat, progress, episodes, generator
+    ) -> Rollout:
         repeat = repeat or (1 if greedy else sampling.group_size)
         tokenizer = self.module.tokenizer
         eos = [] if sampling.ignore_eos else eos_ids(tokenizer, self.module.policy)
         prompts = [row[mask.bool()].tolist() for row, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
-        body = {"model": name, "temperature": 0.0 if greedy else sampling.temperature,
-                "top_p": 1.0 if greedy else sampling.top_p,
-                "top_k": -1 if greedy or not sampling.top_k else sampling.top_k, "logprobs": 0,
-                "stop_token_ids": eos, "ignore_eos": sampling.ignore_eos, "return_tokens_as_token_ids": True,
-                "skip_special_tokens": False}
+        body = {
+            "model": name,
+            "temperature": 0.0 if greedy else sampling.temperature,
+            "top_p": 1.0 if greedy else sampling.top_p,
+            "top_k": -1 if greedy or not sampling.top_k else sampling.top_k,
+            "logprobs": 0,
+            "stop_token_ids": eos,
+            "ignore_eos": sampling.ignore_eos,
+            "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False,
+        }
         start = time.perf_counter()
         if episodes is not None:
-            rollout = self._episodes(body, prompts, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, episodes,
-                                     generator)
+            rollout = self._episodes(
+                body, prompts, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, episodes, generator
+            )
         else:
             # One seed per prompt from the caller's seeded generator: the same rollout asks for the same samples.
             seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator).tolist()
-            answers = self._complete([{**body, "n": repeat, "max_tokens": sampling.max_new_tokens, "prompt": prompt,
-                                       "seed": seed} for prompt, seed in zip(prompts, seeds)])
+            answers = self._complete(
+                [
+                    {**body, "n": repeat, "max_tokens": sampling.max_new_tokens, "prompt": prompt, "seed": seed}
+                    for prompt, seed in zip(prompts, seeds)
+                ]
+            )
             n = len(prompts) * repeat
             completion_ids = torch.full((n, sampling.max_new_tokens), tokenizer.pad_token_id, dtype=torch.long)
             logprobs = torch.zeros(n, sampling.max_new_tokens)
@@ -139,15 +171,24 @@ class VLLMServerEngine:
                     row = p * repeat + choice["index"]
                     completion_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
                     logprobs[row, : len(values)] = torch.tensor(values)
-            rollout = finish_rollout(tokenizer, prompt_ids.cpu(), prompt_mask.cpu(), repeat, completion_ids,
-                                     None if greedy else logprobs, eos, time.perf_counter() - start)
+            rollout = finish_rollout(
+                tokenizer,
+                prompt_ids.cpu(),
+                prompt_mask.cpu(),
+                repeat,
+                completion_ids,
+                None if greedy else logprobs,
+                eos,
+                time.perf_counter() - start,
+            )
         if progress is not None:
             progress.update(sampling.max_new_tokens)
             progress.close()
         return rollout
 
-    def _episodes(self, body, prompts, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, spec,
-                  generator) -> Rollout:
+    def _episodes(
+        self, body, prompts, prompt_ids, prompt_mask, repeat, sampling, greedy, eos, spec, generator
+    ) -> Rollout:
         """Episodes (:mod:`lit_grpo.generation.episodes`): each turn sends every live row's prompt +
         trajectory as token ids (the server's prefix cache holds what it read before), each with a seed
         of its own; the calls of a turn run here, together."""
@@ -155,9 +196,20 @@ class VLLMServerEngine:
 
         def sample_turns(rows: list[int], contexts: list[list[int]], rooms: list[int]):
             seeds = torch.randint(0, 2**31 - 1, (len(rows),), generator=generator).tolist()
-            answers = self._complete([{**body, "n": 1, "max_tokens": room, "prompt": context, "seed": seed,
-                                       "stop": [spec.call_format.stop], "include_stop_str_in_output": True}
-                                      for context, room, seed in zip(contexts, rooms, seeds)])
+            answers = self._complete(
+                [
+                    {
+                        **body,
+                        "n": 1,
+                        "max_tokens": room,
+                        "prompt": context,
+                        "seed": seed,
+                        "stop": [spec.call_format.stop],
+                        "include_stop_str_in_output": True,
+                    }
+                    for context, room, seed in zip(contexts, rooms, seeds)
+                ]
+            )
             turns = [_tokens(answer["choices"][0]) for answer in answers]
             return [(ids, None if greedy else values) for ids, values in turns]
 
@@ -168,8 +220,12 @@ class VLLMServerEngine:
     def _complete(self, bodies: list[dict]) -> list[dict]:
         """``/v1/completions`` of each body, spread over the servers round-robin, several in flight."""
         with ThreadPoolExecutor(max_workers=min(len(bodies), 8 * len(self.urls))) as pool:
-            return list(pool.map(lambda i: self._request(self.urls[i % len(self.urls)], "/v1/completions",
-                                                         bodies[i]), range(len(bodies))))
+            return list(
+                pool.map(
+                    lambda i: self._request(self.urls[i % len(self.urls)], "/v1/completions", bodies[i]),
+                    range(len(bodies)),
+                )
+            )
 
     # ------------------------------------------------------------- weights
     def weights_changed(self) -> None:
@@ -201,15 +257,16 @@ class VLLMServerEngine:
                 load_trainable(policy, current)
         for i, url in enumerate(self.urls):
             try:
-                self._request(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)},
-                              raw=True)
+                self._request(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)}, raw=True)
             except ServerGone:
                 shutil.rmtree(folder, ignore_errors=True)
                 raise
             except ServerError as error:
                 shutil.rmtree(folder, ignore_errors=True)
-                raise ValueError(f"model.generation.urls[{i}]={url!r} did not load the adapter ({error}): runtime "
-                                 f"LoRA loading is off there; {SERVE_HINT}.") from None
+                raise ValueError(
+                    f"model.generation.urls[{i}]={url!r} did not load the adapter ({error}): runtime "
+                    f"LoRA loading is off there; {SERVE_HINT}."
+                ) from None
         return _ServedAdapter(self, name, folder, adapter if adapter is not None else current)
 
     def _request(self, url: str, path: str, body: dict | None, timeout: float | None = None, raw: bool = False):
@@ -221,9 +278,11 @@ class VLLMServerEngine:
         except urllib.error.HTTPError as error:
             raise ServerError(f"{url}{path} answered HTTP {error.code}: {error.read().decode()[:300]}") from None
         except (urllib.error.URLError, OSError) as error:
-            raise ServerGone(f"model.generation.urls: the vLLM server at {url} stopped answering ({path}: "
-                             f"{getattr(error, 'reason', error)}); start it again and resume from the last "
-                             "checkpoint (--ckpt_path last).") from None
+            raise ServerGone(
+                f"model.generation.urls: the vLLM server at {url} stopped answering ({path}: "
+                f"{getattr(error, 'reason', error)}); start it again and resume from the last "
+                "checkpoint (--ckpt_path last)."
+            ) from None
         return text if raw else json.loads(text)
 
     def close(self) -> None:
@@ -258,11 +317,21 @@ class FrozenServerSampler:
     def __init__(self, engine: VLLMServerEngine, served: _ServedAdapter) -> None:
         self.engine, self.served, self.adapter = engine, served, served.adapter
 
-    def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingSpec, *,
-                 greedy: bool = False, repeat: int | None = None, progress=None, episodes=None,
-                 generator: torch.Generator | None = None) -> Rollout:
-        return self.engine._generate(self.served.name, prompt_ids, prompt_mask, sampling, greedy, repeat, progress,
-                                     episodes, generator)
+    def generate(
+        self,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        sampling: SamplingSpec,
+        *,
+        greedy: bool = False,
+        repeat: int | None = None,
+        progress=None,
+        episodes=None,
+        generator: torch.Generator | None = None,
+    ) -> Rollout:
+        return self.engine._generate(
+            self.served.name, prompt_ids, prompt_mask, sampling, greedy, repeat, progress, episodes, generator
+        )
 
     def close(self) -> None:
         self.served.close()

@@ -32,7 +32,6 @@ import weakref
 import torch
 from torch import nn
 
-
 _SILU = ("SiLU", "SiLUActivation")  # torch's and transformers' (the same function)
 
 

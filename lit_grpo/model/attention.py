@@ -38,14 +38,17 @@ def sdpa_gqa_attention(
     grouped = query.shape[1] != key.shape[1]
     plain = kwargs.get("softcap") is None and kwargs.get("position_bias") is None and kwargs.get("s_aux") is None
     if not (grouped and plain and query.device.type == "cpu" and query.shape[2] > 1):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     causal = attention_mask is None and (is_causal if is_causal is not None else getattr(module, "is_causal", True))
     if causal and key.shape[2] > query.shape[2]:  # an unmasked pass over a cache: let transformers slice it
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                         scale=scaling, is_causal=causal, enable_gqa=True)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=causal, enable_gqa=True
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -55,7 +58,9 @@ def use_sdpa_gqa(model: nn.Module) -> bool:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     config = getattr(model, "config", None)
-    if getattr(config, "_attn_implementation", None) != "sdpa" or not getattr(model, "_supports_attention_backend", False):
+    if getattr(config, "_attn_implementation", None) != "sdpa" or not getattr(
+        model, "_supports_attention_backend", False
+    ):
         return False
     AttentionInterface.register(NAME, sdpa_gqa_attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)

@@ -30,9 +30,22 @@ import torch
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from the vendors' data sheets;
 # the first name that occurs in torch.cuda.get_device_name() wins, so longer names come first.
 CUDA_BF16_PEAK_TFLOPS = {
-    "H200": 989.4, "H100 PCIe": 756.0, "H100": 989.4, "GH200": 989.4, "B200": 2250.0,
-    "A100": 312.0, "A800": 312.0, "L40S": 362.1, "L40": 181.0, "L4": 121.0, "A10G": 70.0, "A10": 125.0,
-    "RTX 6000 Ada": 364.2, "A6000": 154.8, "RTX 4090": 165.2, "RTX 3090": 71.0,
+    "H200": 989.4,
+    "H100 PCIe": 756.0,
+    "H100": 989.4,
+    "GH200": 989.4,
+    "B200": 2250.0,
+    "A100": 312.0,
+    "A800": 312.0,
+    "L40S": 362.1,
+    "L40": 181.0,
+    "L4": 121.0,
+    "A10G": 70.0,
+    "A10": 125.0,
+    "RTX 6000 Ada": 364.2,
+    "A6000": 154.8,
+    "RTX 4090": 165.2,
+    "RTX 3090": 71.0,
 }
 BF16_MIN_SPEEDUP = 1.5
 """bf16 matmuls must beat fp32 ones by this factor on a CPU for ``auto`` to pick bf16."""
@@ -88,16 +101,21 @@ def cpu_name() -> str:
     benchmarks' output. Elsewhere, the platform's processor name.
     """
     try:
-        fields = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
-                      if ":" in line)
+        fields = dict(
+            line.split(":", 1)
+            for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
+            if ":" in line
+        )
     except OSError:
         fields = {}
     fields = {key.strip(): value.strip() for key, value in fields.items()}
     if "model name" not in fields:
         return platform.processor() or platform.machine()
     units = sorted(flag for flag in fields.get("flags", "").split() if flag in ("avx512_bf16", "amx_bf16"))
-    return (f"{fields['model name']} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')}, "
-            f"{' + '.join(units) or 'no bf16 units'})")
+    return (
+        f"{fields['model name']} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')}, "
+        f"{' + '.join(units) or 'no bf16 units'})"
+    )
 
 
 def cpu_matmul_flops(cache_dir: str | None = None) -> dict[str, float]:
@@ -118,8 +136,10 @@ def _cpu_matmul_flops(path: str, cpu: str, threads: int) -> tuple[tuple[str, flo
     except (OSError, ValueError):
         cached = None
     if not cached:
-        cached = {name: measure_matmul_flops(dtype) for name, dtype in
-                  (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
+        cached = {
+            name: measure_matmul_flops(dtype)
+            for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))
+        }
         _store(file, key, cached)
     return tuple(sorted(cached.items()))
 

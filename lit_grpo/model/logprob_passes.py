@@ -109,8 +109,11 @@ def completion_logprobs(
             part, part_entropy = head_logprobs(chunk, head.weight, tokens, temperature, with_entropy)
         else:
             part = token_logprobs(chunk, tokens, temperature=temperature)
-            part_entropy = (token_entropy(chunk if entropy_grad else chunk.detach(), temperature=temperature,
-                                          grad=entropy_grad) if with_entropy else None)
+            part_entropy = (
+                token_entropy(chunk if entropy_grad else chunk.detach(), temperature=temperature, grad=entropy_grad)
+                if with_entropy
+                else None
+            )
         if logprobs is None:  # columns no pass covered (padding past a row's end) stay 0
             logprobs = part.new_zeros(completion_ids.shape)  # [N, C]
             entropy = part.new_zeros(completion_ids.shape) if with_entropy else None
@@ -138,8 +141,9 @@ def completion_hidden_states(
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [N, P + C]
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [N, P + C], as in _full_logits
     P, C = prompt_ids.shape[1], completion_ids.shape[1]
-    hidden = final_hidden_states(model, input_ids=input_ids, attention_mask=attention_mask,
-                                 position_ids=position_ids, use_cache=False)  # [N, P + C, H]
+    hidden = final_hidden_states(
+        model, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    )  # [N, P + C, H]
     return hidden[:, P - 1 : P + C - 1]  # [N, C, H]
 
 
@@ -153,8 +157,9 @@ def final_hidden_states(model: nn.Module, **inputs) -> torch.Tensor:
     ``forward`` as they are (a key/value cache fills as it would there).
     """
     captured: list[torch.Tensor] = []
-    hook = _base_model(model).get_decoder().register_forward_hook(
-        lambda module, args, output: captured.append(output[0]))
+    hook = (
+        _base_model(model).get_decoder().register_forward_hook(lambda module, args, output: captured.append(output[0]))
+    )
     try:
         model(**inputs, logits_to_keep=1)
     finally:
@@ -193,8 +198,9 @@ def _head_removed(model: nn.Module, head: nn.Linear | None):
     base.set_output_embeddings(nn.Identity())
     try:
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor",
-                                    category=UserWarning)
+            warnings.filterwarnings(
+                "ignore", message=r"FSDP2-wrapped module .* returned a view tensor", category=UserWarning
+            )
             yield
     finally:
         base.set_output_embeddings(head)
@@ -259,14 +265,21 @@ def _shared_prompt_logits(model, prompts, inverse, prompt_mask, completion_ids, 
                 width = int(lengths[rows].max())
                 if width < 2:
                     continue  # only a first token: the prompt pass predicted it
-                chunks.append((rows, 1, model(
-                    input_ids=completion_ids[rows, :width],
-                    attention_mask=torch.cat([prompt_mask[rows], completion_mask[rows, :width]], dim=1),
-                    position_ids=prompt_mask[rows].sum(-1, keepdim=True) + torch.arange(width, device=rows.device),
-                    **with_cache(cache_rows(cache, inverse[rows])),  # backward sums over each prompt's rows
-                    use_cache=True,
-                    logits_to_keep=_positions(0, width - 1, rows.device),
-                ).logits))  # [n, width - 1, V]
+                chunks.append(
+                    (
+                        rows,
+                        1,
+                        model(
+                            input_ids=completion_ids[rows, :width],
+                            attention_mask=torch.cat([prompt_mask[rows], completion_mask[rows, :width]], dim=1),
+                            position_ids=prompt_mask[rows].sum(-1, keepdim=True)
+                            + torch.arange(width, device=rows.device),
+                            **with_cache(cache_rows(cache, inverse[rows])),  # backward sums over each prompt's rows
+                            use_cache=True,
+                            logits_to_keep=_positions(0, width - 1, rows.device),
+                        ).logits,
+                    )
+                )  # [n, width - 1, V]
     return chunks
 
 
@@ -353,8 +366,11 @@ def _own_checkpointing(model: nn.Module):
     for module in switched:
         module.gradient_checkpointing = False
     try:
-        yield [module for module in switched if isinstance(module, GradientCheckpointingLayer)
-               and module.training and torch.is_grad_enabled()]
+        yield [
+            module
+            for module in switched
+            if isinstance(module, GradientCheckpointingLayer) and module.training and torch.is_grad_enabled()
+        ]
     finally:
         for module in switched:
             module.gradient_checkpointing = True

@@ -26,9 +26,16 @@ from torch import nn
 from lit_grpo.model.activations import recompute_swiglu, share_adapter_input_casts
 from lit_grpo.model.attention import use_sdpa_gqa
 from lit_grpo.model.refusals import constructed
+from lit_grpo.model.sources import (
+    CONFIG,
+    TOKENIZER,
+    WEIGHTS,
+    check_hub_model,
+    check_model_folder,
+    embedded_model_dir,
+    forget_gguf_quantizer,
+)
 from lit_grpo.model.stream import keep_stream_fp32
-from lit_grpo.model.sources import (CONFIG, TOKENIZER, WEIGHTS, check_hub_model, check_model_folder, embedded_model_dir,
-                                    forget_gguf_quantizer)
 
 EMBEDDED = "embedded"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -151,9 +158,7 @@ def _resolve(spec: PolicySpec, needed: tuple[str, ...] = ()) -> tuple[str, dict]
     if path.is_dir() and not spec.gguf_file:
         check_model_folder(path, "policy.name_or_path", needed)
     if spec.gguf_file and path.exists() and not (path / spec.gguf_file).is_file():
-        raise FileNotFoundError(
-            f"policy.gguf_file={spec.gguf_file!r} is not in {spec.name_or_path!r}."
-        )
+        raise FileNotFoundError(f"policy.gguf_file={spec.gguf_file!r} is not in {spec.name_or_path!r}.")
     if not path.exists():
         check_hub_model(spec.name_or_path, spec.gguf_file)
     return spec.name_or_path, ({"gguf_file": spec.gguf_file} if spec.gguf_file else {})
@@ -185,8 +190,9 @@ def load_tokenizer(spec: PolicySpec):
     from transformers import AutoTokenizer
 
     source, kwargs = _resolve(spec, needed=(TOKENIZER,))
-    tokenizer = constructed("policy", AutoTokenizer.from_pretrained, source,
-                            values={"name_or_path": spec.name_or_path}, **kwargs)
+    tokenizer = constructed(
+        "policy", AutoTokenizer.from_pretrained, source, values={"name_or_path": spec.name_or_path}, **kwargs
+    )
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -214,8 +220,14 @@ def load_base_model(spec: PolicySpec) -> nn.Module:
     # re-applied at every train()/eval(), where it fails on the merged decode copy's meta tensors.
     # lit_grpo loads offline and chooses its own kernels (lit_grpo.model.stream, .generation).
     kwargs["use_kernels"] = False
-    model = constructed("policy", AutoModelForCausalLM.from_pretrained, source,
-                        values={"name_or_path": spec.name_or_path}, dtype=dtype, **kwargs)
+    model = constructed(
+        "policy",
+        AutoModelForCausalLM.from_pretrained,
+        source,
+        values={"name_or_path": spec.name_or_path},
+        dtype=dtype,
+        **kwargs,
+    )
     if kwargs.get("gguf_file"):
         forget_gguf_quantizer(model)
     if spec.init_adapter:
@@ -283,13 +295,18 @@ def build_policy(
         from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
         if spec.load_in_4bit:
-            base = prepare_model_for_kbit_training(
-                base, use_gradient_checkpointing=spec.gradient_checkpointing
-            )
+            base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=spec.gradient_checkpointing)
         lora = dataclasses.asdict(spec.lora)
-        config = constructed("policy.lora", LoraConfig, values=lora, r=spec.lora.r, lora_alpha=spec.lora.alpha,
-                             lora_dropout=spec.lora.dropout, target_modules=spec.lora.target_modules,
-                             task_type="CAUSAL_LM")
+        config = constructed(
+            "policy.lora",
+            LoraConfig,
+            values=lora,
+            r=spec.lora.r,
+            lora_alpha=spec.lora.alpha,
+            lora_dropout=spec.lora.dropout,
+            target_modules=spec.lora.target_modules,
+            task_type="CAUSAL_LM",
+        )
         policy = constructed("policy.lora", get_peft_model, base, config, values=lora)
         share_adapter_input_casts(policy)  # under autocast: one bf16 cast of a layer input for all its adapters
         reference = None

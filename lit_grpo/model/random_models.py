@@ -23,18 +23,64 @@ import torch
 
 SHAPES: dict[str, tuple[str, dict]] = {
     # For tests and dry runs; bitsandbytes' CPU 4-bit kernels need 64 | inputs and 32 | outputs.
-    "tiny": ("llama", dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                           tie_word_embeddings=True)),
-    "smollm2-135m": ("llama", dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                                   num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                                   rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)),
-    "qwen2.5-1.5b": ("qwen2", dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                                   num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
-                                   rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)),
-    "qwen2.5-7b": ("qwen2", dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                                 num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
-                                 rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)),
+    "tiny": (
+        "llama",
+        dict(
+            vocab_size=320,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "smollm2-135m": (
+        "llama",
+        dict(
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            max_position_embeddings=8192,
+            rope_theta=100000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen2.5-1.5b": (
+        "qwen2",
+        dict(
+            vocab_size=151936,
+            hidden_size=1536,
+            intermediate_size=8960,
+            num_hidden_layers=28,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+            max_position_embeddings=32768,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen2.5-7b": (
+        "qwen2",
+        dict(
+            vocab_size=152064,
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            max_position_embeddings=32768,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 """Name -> (``model_type``, configuration): the shapes of SmolLM2-135M, Qwen2.5-1.5B and Qwen2.5-7B."""
 
@@ -55,8 +101,14 @@ def byte_tokenizer():
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS,
-                                   chat_template=CHAT_TEMPLATE, padding_side="left")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        chat_template=CHAT_TEMPLATE,
+        padding_side="left",
+    )
 
 
 def parameter_count(shape: str) -> int:
@@ -66,8 +118,13 @@ def parameter_count(shape: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def save_random_model(shape: str, folder: str | Path, dtype: torch.dtype = torch.bfloat16,
-                      device: str | torch.device = "cpu", seed: int = 0) -> Path:
+def save_random_model(
+    shape: str,
+    folder: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> Path:
     """Write a randomly initialised model of ``shape`` and :func:`byte_tokenizer` to ``folder``.
 
     Args:
@@ -100,6 +157,11 @@ def _build(shape: str, tokenizer, dtype: torch.dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type, sizes = SHAPES[shape]
-    config = AutoConfig.for_model(model_type, **sizes, bos_token_id=tokenizer.bos_token_id,
-                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = AutoConfig.for_model(
+        model_type,
+        **sizes,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     return AutoModelForCausalLM.from_config(config, dtype=dtype)

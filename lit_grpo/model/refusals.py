@@ -12,7 +12,6 @@ rate: -1.0``) instead of as an unexpected error with a traceback.
 from __future__ import annotations
 
 import re
-
 from collections.abc import Callable, Mapping
 from typing import Any
 

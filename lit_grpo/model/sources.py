@@ -70,8 +70,11 @@ def forget_gguf_quantizer(model: nn.Module) -> None:
         del model.config.quantization_config
 
 
-CONFIG, WEIGHTS, TOKENIZER = ("config.json", "weights (model.safetensors or pytorch_model.bin, or their shards)",
-                               "tokenizer files (tokenizer.json, tokenizer.model or vocab.json)")
+CONFIG, WEIGHTS, TOKENIZER = (
+    "config.json",
+    "weights (model.safetensors or pytorch_model.bin, or their shards)",
+    "tokenizer files (tokenizer.json, tokenizer.model or vocab.json)",
+)
 MODEL_FOLDER_FILES = {
     CONFIG: ("config.json",),
     WEIGHTS: ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json"),
@@ -87,8 +90,11 @@ def check_model_folder(path: Path, field: str, needed: tuple[str, ...]) -> None:
     Raises:
         FileNotFoundError: The folder lacks a needed part.
     """
-    missing = [what for what, patterns in MODEL_FOLDER_FILES.items()
-               if not any(next(path.glob(pattern), None) for pattern in patterns)]
+    missing = [
+        what
+        for what, patterns in MODEL_FOLDER_FILES.items()
+        if not any(next(path.glob(pattern), None) for pattern in patterns)
+    ]
     if set(missing) & set(needed):
         raise FileNotFoundError(
             f"{field}={str(path)!r} is not a model folder: it has no {' and no '.join(missing)}; pass a "

@@ -47,8 +47,8 @@ from lit_grpo.objectives.estimators import (
     whiten,
 )
 from lit_grpo.objectives.grpo import LossOutput, grpo_loss
-from lit_grpo.objectives.ppo import ppo_loss
 from lit_grpo.objectives.logprobs import head_logprobs, token_entropy, token_logprobs
+from lit_grpo.objectives.ppo import ppo_loss
 from lit_grpo.objectives.sft import bradley_terry_loss, sft_loss
 
 __all__ = [

@@ -54,9 +54,7 @@ def _no_scale(grouped: Tensor, eps: float) -> Tensor:
 _SCALES = {"group": _group_scale, "batch": _batch_scale, "none": _no_scale}
 
 
-def group_advantages(
-    rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-4
-) -> Advantages:
+def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-4) -> Advantages:
     """Group-relative advantage of each completion.
 
     ``A_i = (r_i - mean_g) / (std + eps)`` with the population std of i's group
@@ -82,13 +80,9 @@ def group_advantages(
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
     if group_size < 2:
-        raise ValueError(
-            f"group_size must be >= 2 (a group of one has no statistics), got {group_size}"
-        )
+        raise ValueError(f"group_size must be >= 2 (a group of one has no statistics), got {group_size}")
     if rewards.numel() % group_size != 0:
-        raise ValueError(
-            f"got N={rewards.numel()} rewards, not a multiple of group_size={group_size}"
-        )
+        raise ValueError(f"got N={rewards.numel()} rewards, not a multiple of group_size={group_size}")
     out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
     grouped = rewards.detach().to(torch.float64).view(-1, group_size)  # [B, G]
     mean = grouped.mean(dim=1, keepdim=True)  # [B, 1]
@@ -103,9 +97,7 @@ def group_advantages(
     )
 
 
-def decoupled_group_advantages(
-    rewards: Tensor, weights: Tensor, group_size: int, eps: float = 1e-4
-) -> Advantages:
+def decoupled_group_advantages(rewards: Tensor, weights: Tensor, group_size: int, eps: float = 1e-4) -> Advantages:
     """GDPO's multi-reward advantages: each reward normalised in its group, then summed.
 
     Each reward k is centred on its group's mean and divided by its group's
@@ -131,8 +123,9 @@ def decoupled_group_advantages(
             ``group_size < 2``, or N is not a multiple of it.
     """
     if rewards.dim() != 2 or weights.shape != rewards.shape[1:]:
-        raise ValueError(f"rewards must be [N, K] and weights [K], got {tuple(rewards.shape)} and "
-                         f"{tuple(weights.shape)}")
+        raise ValueError(
+            f"rewards must be [N, K] and weights [K], got {tuple(rewards.shape)} and {tuple(weights.shape)}"
+        )
     if group_size < 2 or rewards.shape[0] % group_size != 0:
         raise ValueError(f"group_size={group_size} must be >= 2 and divide N={rewards.shape[0]}")
     grouped = rewards.detach().to(torch.float64).view(-1, group_size, rewards.shape[1])  # [B, G, K]

@@ -70,19 +70,21 @@ def dpo_loss(
             inputs that are not all the same ``[B]`` shape.
     """
     _check_inputs(
-        beta, label_smoothing, policy_chosen_logps=policy_chosen_logps,
-        policy_rejected_logps=policy_rejected_logps, ref_chosen_logps=ref_chosen_logps,
+        beta,
+        label_smoothing,
+        policy_chosen_logps=policy_chosen_logps,
+        policy_rejected_logps=policy_rejected_logps,
+        ref_chosen_logps=ref_chosen_logps,
         ref_rejected_logps=ref_rejected_logps,
     )
     policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps = at_least_fp32(
-        policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps)
+        policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps
+    )
     chosen_rewards = beta * (policy_chosen_logps - ref_chosen_logps)  # [B]
     rejected_rewards = beta * (policy_rejected_logps - ref_rejected_logps)  # [B]
     margin = chosen_rewards - rejected_rewards  # [B]
     # logsigmoid, not log(sigmoid()): exact and finite for large |margin|.
-    losses = (
-        -(1.0 - label_smoothing) * F.logsigmoid(margin) - label_smoothing * F.logsigmoid(-margin)
-    )  # [B]
+    losses = -(1.0 - label_smoothing) * F.logsigmoid(margin) - label_smoothing * F.logsigmoid(-margin)  # [B]
     metrics = {
         "rewards/chosen": chosen_rewards.mean(),
         "rewards/rejected": rejected_rewards.mean(),

@@ -149,9 +149,7 @@ def ppo_token_rewards(
     if beta == 0:
         return torch.where(is_last, rewards.detach().to(dtype).unsqueeze(-1), 0.0)  # [N, T]
     if logprobs is None or ref_logprobs is None:
-        raise ValueError(
-            f"beta={beta} > 0 needs logprobs and ref_logprobs; pass them or set beta=0"
-        )
+        raise ValueError(f"beta={beta} > 0 needs logprobs and ref_logprobs; pass them or set beta=0")
     _check_token_shapes(completion_mask, logprobs=logprobs, ref_logprobs=ref_logprobs)
     dtype = torch.promote_types(dtype, logprobs.dtype)
     kl = torch.where(real, (logprobs - ref_logprobs).detach().to(dtype), 0.0)  # [N, T], k1
@@ -159,9 +157,7 @@ def ppo_token_rewards(
     return sequence - beta * kl  # [N, T]
 
 
-def discounted_returns(
-    token_rewards: Tensor, completion_mask: Tensor, gamma: float = 1.0
-) -> Tensor:
+def discounted_returns(token_rewards: Tensor, completion_mask: Tensor, gamma: float = 1.0) -> Tensor:
     """Reverse discounted sum of per-token rewards over each row's real tokens.
 
     ``G_t = r_t + gamma * G_{t'}``, ``t'`` the next real token after ``t``
@@ -185,9 +181,7 @@ def discounted_returns(
     return _reverse_scan(x, completion_mask.bool(), gamma)
 
 
-def whiten(
-    values: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = WHITEN_EPS
-) -> Tensor:
+def whiten(values: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = WHITEN_EPS) -> Tensor:
     """Whiten ``values`` with the mean and population variance of its masked entries.
 
     ``(x - mean) / sqrt(var + eps)`` over the positions where ``mask`` is 1,
@@ -208,9 +202,7 @@ def whiten(
         ValueError: ``mask`` and ``values`` differ in shape.
     """
     if mask.shape != values.shape:
-        raise ValueError(
-            f"mask shape {tuple(mask.shape)} does not match values shape {tuple(values.shape)}"
-        )
+        raise ValueError(f"mask shape {tuple(mask.shape)} does not match values shape {tuple(values.shape)}")
     out_dtype = values.dtype if values.is_floating_point() else torch.float32
     real = mask.bool()  # [...]
     x = values.to(torch.float64)  # [...]
@@ -334,9 +326,7 @@ def _check_unit_interval(name: str, value: float) -> None:
 
 def _check_token_shapes(completion_mask: Tensor, **tensors: Tensor) -> None:
     if completion_mask.dim() != 2:
-        raise ValueError(
-            f"completion_mask must be [N, T], got shape {tuple(completion_mask.shape)}"
-        )
+        raise ValueError(f"completion_mask must be [N, T], got shape {tuple(completion_mask.shape)}")
     for name, tensor in tensors.items():
         if tensor.shape != completion_mask.shape:
             raise ValueError(

@@ -43,8 +43,10 @@ def at_least_fp32(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
     Every loss here computes in float32 whatever dtype its log-probs, values
     or scores arrive in: ratios, ``exp`` and the KL lose too much in bf16.
     """
-    return tuple(t if t is None or not t.is_floating_point() else t.to(torch.promote_types(t.dtype, torch.float32))
-                 for t in tensors)
+    return tuple(
+        t if t is None or not t.is_floating_point() else t.to(torch.promote_types(t.dtype, torch.float32))
+        for t in tensors
+    )
 
 
 def _token_log_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:
@@ -144,8 +146,7 @@ def _check_shapes(logprobs: Tensor, advantages: Tensor, **same_as_logprobs: Tens
     for name, tensor in same_as_logprobs.items():
         if tensor.shape != logprobs.shape:
             raise ValueError(
-                f"{name} shape {tuple(tensor.shape)} does not match logprobs shape "
-                f"{tuple(logprobs.shape)}"
+                f"{name} shape {tuple(tensor.shape)} does not match logprobs shape {tuple(logprobs.shape)}"
             )
     if advantages.shape not in (logprobs.shape[:1], logprobs.shape):
         raise ValueError(
@@ -265,19 +266,16 @@ def grpo_loss(
     if entropies is None and (entropy_coef != 0 or top_entropy_quantile < 1):
         raise ValueError("entropy_coef != 0 or top_entropy_quantile < 1 needs entropies; pass them")
     surrogate, aggregation = _LOSS_TYPES[loss_type]
-    norm = {"num_items": num_items, "max_completion_length": max_completion_length}.get(
-        aggregation.norm_arg
-    )
+    norm = {"num_items": num_items, "max_completion_length": max_completion_length}.get(aggregation.norm_arg)
     _check_norm(loss_type, aggregation.norm_arg, norm)
     if beta > 0 and ref_logprobs is None:
         raise ValueError(f"beta={beta} > 0 needs ref_logprobs; pass them or set beta=0")
     with_ref = {"ref_logprobs": ref_logprobs} if beta > 0 else {}
-    _check_shapes(
-        logprobs, advantages, old_logprobs=old_logprobs, completion_mask=completion_mask, **with_ref
-    )
+    _check_shapes(logprobs, advantages, old_logprobs=old_logprobs, completion_mask=completion_mask, **with_ref)
 
     logprobs, old_logprobs, advantages, importance_weights = at_least_fp32(
-        logprobs, old_logprobs, advantages, importance_weights)
+        logprobs, old_logprobs, advantages, importance_weights
+    )
     if beta > 0:
         (ref_logprobs,) = at_least_fp32(ref_logprobs)
     real = completion_mask.bool()  # [N, T]
@@ -285,8 +283,12 @@ def grpo_loss(
     log_ratio = torch.where(real, logprobs - old_logprobs, 0.0)  # [N, T]
     ratio = torch.exp(_IMPORTANCE_LEVELS[importance_level](log_ratio, mask))  # [N, T] or [N, 1]
     adv = _broadcastable_advantages(advantages.to(logprobs.dtype), real)  # [N, 1] or [N, T]
-    options = {"epsilon_low": epsilon_low, "epsilon_high": epsilon_high,
-               "sapo_temperature_pos": sapo_temperature_pos, "sapo_temperature_neg": sapo_temperature_neg}
+    options = {
+        "epsilon_low": epsilon_low,
+        "epsilon_high": epsilon_high,
+        "sapo_temperature_pos": sapo_temperature_pos,
+        "sapo_temperature_neg": sapo_temperature_neg,
+    }
     masked_logprobs = torch.where(real, logprobs, 0.0)  # [N, T]
     per_token = surrogate(ratio, adv, masked_logprobs, options).expand_as(mask)  # [N, T]
     if importance_weights is not None:
@@ -333,8 +335,9 @@ def _clip_metrics(
     return {name: _masked_mean(value, mask) for name, value in zip(CLIP_METRICS, values)}
 
 
-def sampler_gap(old_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor,
-                cap: float | None = None) -> tuple[Tensor | None, dict[str, Tensor]]:
+def sampler_gap(
+    old_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor, cap: float | None = None
+) -> tuple[Tensor | None, dict[str, Tensor]]:
     """How far the sampler's distribution is from the trainer's, and the TIS weights.
 
     ``delta = log pi_old - log pi_sampler`` per sampled token; reported as its
@@ -351,7 +354,9 @@ def sampler_gap(old_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor,
     delta = (old_logprobs.detach() - sampler_logprobs) * mask  # [N, T], 0 where not sampled
     real = mask.sum().clamp(min=1)
     capped = ((delta.exp() > cap) & mask.bool()).sum() / real if cap else delta.new_zeros(())
-    metrics = {"sampler/logprob_abs_diff": delta.abs().sum() / real,
-               "sampler/kl": (delta.exp() - 1 - delta).sum() / real,
-               "sampler/is_capped_fraction": capped}
+    metrics = {
+        "sampler/logprob_abs_diff": delta.abs().sum() / real,
+        "sampler/kl": (delta.exp() - 1 - delta).sum() / real,
+        "sampler/is_capped_fraction": capped,
+    }
     return (delta.exp().clamp(max=cap) if cap else None), metrics

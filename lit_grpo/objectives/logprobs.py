@@ -89,9 +89,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         n_rows, n_positions, _ = logits.shape
         out = logits.new_empty((n_rows, n_positions), dtype=_compute_dtype(logits))  # [N, T]
         for rows, positions in _chunks(n_rows, n_positions, chunk_size):
-            out[rows, positions] = _chunk_logprobs(
-                logits[rows, positions], tokens[rows, positions], temperature
-            )
+            out[rows, positions] = _chunk_logprobs(logits[rows, positions], tokens[rows, positions], temperature)
         ctx.save_for_backward(logits, tokens)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         return out
@@ -104,8 +102,10 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         n_rows, n_positions, _ = logits.shape
         for rows, positions in _chunks(n_rows, n_positions, ctx.chunk_size):
             grad_logits[rows, positions] = _chunk_grad(
-                logits[rows, positions], tokens[rows, positions],
-                grad_out[rows, positions], ctx.temperature,
+                logits[rows, positions],
+                tokens[rows, positions],
+                grad_out[rows, positions],
+                ctx.temperature,
             )
         return grad_logits, None, None, None
 
@@ -206,8 +206,9 @@ class _HeadLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, tokens: Tensor, temperature: float, chunk_size: int,
-                with_entropy: bool):
+    def forward(
+        ctx, hidden: Tensor, weight: Tensor, tokens: Tensor, temperature: float, chunk_size: int, with_entropy: bool
+    ):
         compute = torch.promote_types(weight.dtype, torch.float32)
         logprobs = hidden.new_empty(tokens.shape, dtype=compute)  # [M]
         entropy = hidden.new_empty(tokens.shape if with_entropy else (0,), dtype=compute)  # [M] or [0]
@@ -293,6 +294,7 @@ def head_logprobs(
         ``(logprobs [...], entropy [...] or None)``, fp32 (fp64 for fp64 inputs).
     """
     shape = tokens.shape
-    logprobs, entropy = _HeadLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, tokens.reshape(-1),
-                                            temperature, chunk_size, with_entropy)
+    logprobs, entropy = _HeadLogprobs.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, tokens.reshape(-1), temperature, chunk_size, with_entropy
+    )
     return logprobs.view(shape), entropy.view(shape) if with_entropy else None

@@ -23,11 +23,11 @@ from torch import Tensor
 from lit_grpo.objectives.grpo import (
     _LOSS_TYPES,
     LossOutput,
-    at_least_fp32,
     _check_choice,
     _check_norm,
     _clip_metrics,
     _masked_mean,
+    at_least_fp32,
 )
 
 # The value statistics ppo_loss reports besides grpo_loss's clip metrics.
@@ -85,19 +85,30 @@ def ppo_loss(
     aggregation = _LOSS_TYPES[loss_type]
     norm = {"num_items": num_items, "max_completion_length": max_completion_length}.get(aggregation.norm_arg)
     _check_norm(loss_type, aggregation.norm_arg, norm)
-    for name, value in (("epsilon_low", epsilon_low), ("epsilon_high", epsilon_high),
-                        ("value_clip", value_clip), ("vf_coef", vf_coef)):
+    for name, value in (
+        ("epsilon_low", epsilon_low),
+        ("epsilon_high", epsilon_high),
+        ("value_clip", value_clip),
+        ("vf_coef", vf_coef),
+    ):
         if not value >= 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
-    for name, tensor in (("old_logprobs", old_logprobs), ("advantages", advantages),
-                         ("completion_mask", completion_mask), ("values", values),
-                         ("old_values", old_values), ("returns", returns)):
+    for name, tensor in (
+        ("old_logprobs", old_logprobs),
+        ("advantages", advantages),
+        ("completion_mask", completion_mask),
+        ("values", values),
+        ("old_values", old_values),
+        ("returns", returns),
+    ):
         if tensor.shape != logprobs.shape or logprobs.dim() != 2:
-            raise ValueError(f"{name} shape {tuple(tensor.shape)} does not match logprobs shape "
-                             f"{tuple(logprobs.shape)} (all [N, T])")
+            raise ValueError(
+                f"{name} shape {tuple(tensor.shape)} does not match logprobs shape {tuple(logprobs.shape)} (all [N, T])"
+            )
 
     logprobs, old_logprobs, advantages, values, old_values, returns = at_least_fp32(
-        logprobs, old_logprobs, advantages, values, old_values, returns)
+        logprobs, old_logprobs, advantages, values, old_values, returns
+    )
     real = completion_mask.bool()  # [N, T]
     mask = real.to(logprobs.dtype)  # [N, T]
     ratio = torch.exp(torch.where(real, logprobs - old_logprobs, 0.0))  # [N, T]
@@ -112,8 +123,9 @@ def ppo_loss(
     return LossOutput(loss=policy_loss + vf_coef * value_loss, metrics=metrics)
 
 
-def _clipped_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, real: Tensor,
-                        value_clip: float) -> tuple[Tensor, dict[str, Tensor]]:
+def _clipped_value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, real: Tensor, value_clip: float
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Masked token mean of ``max(unclipped, clipped)`` squared errors, and its statistics."""
     mask = real.to(values.dtype)  # [N, T]
     v = torch.where(real, values, 0.0)  # [N, T]
@@ -127,7 +139,7 @@ def _clipped_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, rea
     residual = (target - v).detach()  # [N, T]
     count = mask.sum().clamp(min=1.0)
     var_returns = (((target - (target * mask).sum() / count) * mask).square().sum() / count).detach()
-    var_residual = (((residual - (residual * mask).sum() / count) * mask).square().sum() / count)
+    var_residual = ((residual - (residual * mask).sum() / count) * mask).square().sum() / count
     # 0 when the returns do not vary (nothing to explain); no host sync either way.
     explained = torch.where(var_returns > 0, 1.0 - var_residual / var_returns.clamp(min=1e-12), 0.0)
     return loss, {

@@ -61,8 +61,10 @@ def bradley_terry_loss(chosen_rewards: Tensor, rejected_rewards: Tensor) -> Loss
         ValueError: The inputs are not the same ``[B]`` shape.
     """
     if chosen_rewards.shape != rejected_rewards.shape or chosen_rewards.dim() != 1:
-        raise ValueError(f"chosen_rewards {tuple(chosen_rewards.shape)} and rejected_rewards "
-                         f"{tuple(rejected_rewards.shape)} must be the same [B] shape")
+        raise ValueError(
+            f"chosen_rewards {tuple(chosen_rewards.shape)} and rejected_rewards "
+            f"{tuple(rejected_rewards.shape)} must be the same [B] shape"
+        )
     chosen_rewards, rejected_rewards = at_least_fp32(chosen_rewards, rejected_rewards)
     margin = chosen_rewards - rejected_rewards  # [B]
     metrics = {

@@ -36,8 +36,15 @@ from lit_grpo.rewards.sandbox import Program, Sandbox, SandboxResult
 # Reward functions reachable by bare name (e.g. ``FromCallable(function="accuracy")``).
 BUILTINS = {
     fn.__name__: fn
-    for fn in (accuracy, format, language_consistency, overlong_penalty, code_unit_tests, countdown,
-               reasoning_gym_score)
+    for fn in (
+        accuracy,
+        format,
+        language_consistency,
+        overlong_penalty,
+        code_unit_tests,
+        countdown,
+        reasoning_gym_score,
+    )
 }
 
 __all__ = [

@@ -203,8 +203,13 @@ class RewardCombiner:
         """The rewards' names, in order."""
         return [name for name, _, _ in self.entries]
 
-    def score(self, prompts: list[str], completions: list[str], columns: dict[str, list],
-              supplied: dict[str, Any] | None = None) -> RewardScores:
+    def score(
+        self,
+        prompts: list[str],
+        completions: list[str],
+        columns: dict[str, list],
+        supplied: dict[str, Any] | None = None,
+    ) -> RewardScores:
         """Scores a batch.
 
         Args:
@@ -229,8 +234,9 @@ class RewardCombiner:
         supplied = supplied or {}
         calls = [(name, fn, {**columns, **_wanted(fn, supplied)}) for name, fn, _ in self.entries]
         # async rewards first, all together; their results (or errors) are then checked in order
-        pending = {name: fn(prompts=prompts, completions=completions, **kwargs)
-                   for name, fn, kwargs in calls if _is_async(fn)}
+        pending = {
+            name: fn(prompts=prompts, completions=completions, **kwargs) for name, fn, kwargs in calls if _is_async(fn)
+        }
         awaited = dict(zip(pending, _await_all(list(pending.values())))) if pending else {}
         total = torch.zeros(n, dtype=torch.float64)
         per_function = {}
@@ -241,8 +247,9 @@ class RewardCombiner:
             per_function[name] = values.float()
         return RewardScores(total.float(), per_function)
 
-    def _call(self, name: str, fn: RewardFn, prompts: list[str], completions: list[str],
-              columns: dict[str, Any], result: Any) -> torch.Tensor:
+    def _call(
+        self, name: str, fn: RewardFn, prompts: list[str], completions: list[str], columns: dict[str, Any], result: Any
+    ) -> torch.Tensor:
         try:
             if result is _NOT_RUN:
                 result = fn(prompts=prompts, completions=completions, **columns)
@@ -253,14 +260,19 @@ class RewardCombiner:
             if self.on_error == "zero":
                 if name not in self._warned:
                     self._warned.add(name)
-                    warnings.warn(f"Reward {name!r} raised {e!r}; it scores 0 for this batch "
-                                  "(on_error='zero'; warned once)", RuntimeWarning, stacklevel=3)
+                    warnings.warn(
+                        f"Reward {name!r} raised {e!r}; it scores 0 for this batch (on_error='zero'; warned once)",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
                 return torch.zeros(len(completions), dtype=torch.float64)
             row = _failing_row(fn, prompts, completions, columns)
             where = f"on row {row}" if row is not None else "on the batch (no single row fails)"
-            raise RewardFunctionError(f"Reward {name!r} raised {where}: {e!r}; its traceback is above. Fix the "
-                                      "function: it is called with prompts, completions and the rows' columns "
-                                      "as keyword arguments.") from e
+            raise RewardFunctionError(
+                f"Reward {name!r} raised {where}: {e!r}; its traceback is above. Fix the "
+                "function: it is called with prompts, completions and the rows' columns "
+                "as keyword arguments."
+            ) from e
         return _validate(name, raw, len(completions))
 
 
@@ -294,16 +306,16 @@ def _validate(name: str, raw: Any, n: int) -> torch.Tensor:
             out[i] = math.nan
             continue
         if not isinstance(v, numbers.Real):
-            raise ValueError(f"Reward {name!r} returned {v!r} ({type(v).__name__}) on row {i}; "
-                             "expected a number or None")
+            raise ValueError(
+                f"Reward {name!r} returned {v!r} ({type(v).__name__}) on row {i}; expected a number or None"
+            )
         if not math.isfinite(v):
             raise ValueError(f"Reward {name!r} returned {v!r} on row {i}; values must be finite")
         out[i] = float(v)
     return out
 
 
-def _failing_row(fn: RewardFn, prompts: list[str], completions: list[str],
-                 columns: dict[str, list]) -> int | None:
+def _failing_row(fn: RewardFn, prompts: list[str], completions: list[str], columns: dict[str, list]) -> int | None:
     """Re-runs ``fn`` one row at a time to find the first row that raises."""
     for i in range(len(completions)):
         row = {k: v[i : i + 1] if isinstance(v, list) else v for k, v in columns.items()}
@@ -339,8 +351,13 @@ def _arguments(fn: RewardFn) -> tuple[list[str], bool]:
         parameters = inspect.signature(target).parameters.values()
     except (TypeError, ValueError):  # a builtin without a signature: columns only, as before
         return [], False
-    named = [p.name for p in parameters if p.default is inspect.Parameter.empty
-             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in ("prompts", "completions")]
+    named = [
+        p.name
+        for p in parameters
+        if p.default is inspect.Parameter.empty
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        and p.name not in ("prompts", "completions")
+    ]
     return named, any(p.kind is p.VAR_KEYWORD for p in parameters)
 
 

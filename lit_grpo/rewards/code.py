@@ -29,7 +29,7 @@ from lit_grpo.rewards.sandbox import Program, Sandbox, SandboxResult
 
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
-HARNESS = r'''
+HARNESS = r"""
 import ast, os, sys
 
 
@@ -66,7 +66,7 @@ def _main(exec=exec, compile=compile):
 
 
 _main()
-'''
+"""
 
 
 def extract_code(completion: str) -> str | None:
@@ -85,8 +85,11 @@ def _tally(result: SandboxResult, secret: str) -> tuple[int, int]:
 
 
 def code_unit_tests(
-    prompts: list[str], completions: list[str], sandbox: Sandbox | None = None,
-    fraction: bool = False, **columns: Any,
+    prompts: list[str],
+    completions: list[str],
+    sandbox: Sandbox | None = None,
+    fraction: bool = False,
+    **columns: Any,
 ) -> list[float | None]:
     """Runs each completion's last Python block with the row's ``tests`` in the sandbox.
 
@@ -151,8 +154,9 @@ class CodeUnitTests(Reward):
     ) -> None:
         super().__init__(weight, name)
         self.fraction = fraction
-        self.sandbox = Sandbox(timeout=timeout, memory_mb=memory_mb,
-                               max_processes=max_processes, max_workers=max_workers)
+        self.sandbox = Sandbox(
+            timeout=timeout, memory_mb=memory_mb, max_processes=max_processes, max_workers=max_workers
+        )
 
     def __call__(self, prompts: list[str], completions: list[str], **columns: Any) -> list[float | None]:
         return code_unit_tests(prompts, completions, sandbox=self.sandbox, fraction=self.fraction, **columns)

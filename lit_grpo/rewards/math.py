@@ -108,7 +108,10 @@ def language_consistency(
 
 
 def overlong_penalty(
-    prompts: list[str], completions: list[str], max_len: int = 1024, buffer: int = 256,
+    prompts: list[str],
+    completions: list[str],
+    max_len: int = 1024,
+    buffer: int = 256,
     **columns: Any,
 ) -> list[float | None]:
     """DAPO soft overlong punishment from the ``completion_length`` column.

@@ -29,8 +29,9 @@ def extract_answer(completion: str) -> str:
     return lines[-1] if lines else ""
 
 
-def reasoning_gym_score(prompts: list, completions: list[str], answer: list[str], metadata: list[dict],
-                        **columns: Any) -> list[float]:
+def reasoning_gym_score(
+    prompts: list, completions: list[str], answer: list[str], metadata: list[dict], **columns: Any
+) -> list[float]:
     """Each completion's score by its row's reasoning-gym task (0.0 to 1.0; partial credit where the
     task gives it)."""
     import reasoning_gym

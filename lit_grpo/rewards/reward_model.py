@@ -43,8 +43,10 @@ HEAD_FILE = "reward_head.safetensors"  # weight [1, H]
 BASE_FILE = "lit_grpo_base.json"  # the base the adapter was trained on: name_or_path, init_adapter
 ADAPTER_FILES = ("adapter_config.json", HEAD_FILE, BASE_FILE)  # what shared_base=true loads
 # What name_or_path may be, said by every refusal of a path that is no model.
-EXPECTED = ("expected a folder written by lit-grpo rm fit --export_adapter or, with shared_base=false, a "
-            "sequence-classification model folder or hub id (org/name).")
+EXPECTED = (
+    "expected a folder written by lit-grpo rm fit --export_adapter or, with shared_base=false, a "
+    "sequence-classification model folder or hub id (org/name)."
+)
 
 
 def conversation_texts(tokenizer, prompts: list[str], replies: list[str], system_prompt: str | None) -> list[str]:
@@ -54,22 +56,29 @@ def conversation_texts(tokenizer, prompts: list[str], replies: list[str], system
         ValueError: The tokenizer has no chat template.
     """
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the reward model's tokenizer has no chat template, which scoring prompt + completion "
-                         "needs; use a chat reward model or set tokenizer.chat_template in its folder.")
+        raise ValueError(
+            "the reward model's tokenizer has no chat template, which scoring prompt + completion "
+            "needs; use a chat reward model or set tokenizer.chat_template in its folder."
+        )
     system = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    return [tokenizer.apply_chat_template([*system, {"role": "user", "content": p}, {"role": "assistant",
-                                                                                    "content": r}], tokenize=False)
-            for p, r in zip(prompts, replies)]
+    return [
+        tokenizer.apply_chat_template(
+            [*system, {"role": "user", "content": p}, {"role": "assistant", "content": r}], tokenize=False
+        )
+        for p, r in zip(prompts, replies)
+    ]
 
 
-def encode_conversations(tokenizer, prompts: list[str], replies: list[str], system_prompt: str | None,
-                         max_length: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_conversations(
+    tokenizer, prompts: list[str], replies: list[str], system_prompt: str | None, max_length: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokenize conversations right-padded: ``(input_ids [N, T], attention_mask [N, T])``.
 
     Longer rows keep their last ``max_length`` tokens (the reply's end is what is scored).
     """
-    rows = tokenizer(conversation_texts(tokenizer, prompts, replies, system_prompt),
-                     add_special_tokens=False)["input_ids"]
+    rows = tokenizer(conversation_texts(tokenizer, prompts, replies, system_prompt), add_special_tokens=False)[
+        "input_ids"
+    ]
     if max_length is not None:
         rows = [r[-max_length:] for r in rows]
     width, pad = max(map(len, rows)), tokenizer.pad_token_id
@@ -87,13 +96,16 @@ def last_token_index(input_ids: torch.Tensor, pad_token_id: int | None) -> torch
     return (positions * (input_ids != pad_token_id)).argmax(-1)  # [N]
 
 
-def backbone_scores(model: nn.Module, head: nn.Linear, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    pad_token_id: int | None) -> torch.Tensor:
+def backbone_scores(
+    model: nn.Module, head: nn.Linear, input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id: int | None
+) -> torch.Tensor:
     """``[N]`` float32 scores: ``head`` on the decoder's last hidden state at :func:`last_token_index`.
 
     ``model`` is a causal LM or a peft model around one; its active adapters apply.
     """
-    hidden = final_hidden_states(model, input_ids=input_ids, attention_mask=attention_mask, use_cache=False)  # [N, T, H]
+    hidden = final_hidden_states(
+        model, input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+    )  # [N, T, H]
     last = hidden[torch.arange(len(hidden), device=hidden.device), last_token_index(input_ids, pad_token_id)]
     return head(last.to(head.weight.dtype)).squeeze(-1).float()  # [N]
 
@@ -119,9 +131,18 @@ class RewardModel(Reward):
 
     default_name = "reward_model"
 
-    def __init__(self, name_or_path: str, weight: float = 1.0, name: str | None = None, shared_base: bool = False,
-                 normalize: bool = False, batch_size: int = 16, system_prompt: str | None = None,
-                 max_length: int | None = 1024, dtype: str = "float32") -> None:
+    def __init__(
+        self,
+        name_or_path: str,
+        weight: float = 1.0,
+        name: str | None = None,
+        shared_base: bool = False,
+        normalize: bool = False,
+        batch_size: int = 16,
+        system_prompt: str | None = None,
+        max_length: int | None = 1024,
+        dtype: str = "float32",
+    ) -> None:
         super().__init__(weight, name)
         folder = reward_model_folder(name_or_path, shared_base)  # before anything loads
         from transformers import AutoTokenizer
@@ -161,8 +182,9 @@ class RewardModel(Reward):
             return
         from transformers import AutoModelForSequenceClassification
 
-        model = AutoModelForSequenceClassification.from_pretrained(self.folder, dtype=self.dtype,
-                                                                   use_kernels=False)  # as the policy's
+        model = AutoModelForSequenceClassification.from_pretrained(
+            self.folder, dtype=self.dtype, use_kernels=False
+        )  # as the policy's
         model.config.pad_token_id = self.tokenizer.pad_token_id
         self.model = keep_stream_fp32(model).requires_grad_(False).eval()
 
@@ -170,14 +192,20 @@ class RewardModel(Reward):
     def scores(self, prompts: list[str], completions: list[str]) -> torch.Tensor:
         """``[N]`` float32 scores on the CPU, before normalisation."""
         if self.model is None:
-            raise RuntimeError(f"RewardModel {self.name!r} was never bound to a policy (RewardCombiner.bind); "
-                               "GRPO modules bind their DataModule's rewards when they load the policy.")
+            raise RuntimeError(
+                f"RewardModel {self.name!r} was never bound to a policy (RewardCombiner.bind); "
+                "GRPO modules bind their DataModule's rewards when they load the policy."
+            )
         device = self._follow_the_policy()
         out = []
         for start in range(0, len(prompts), self.batch_size):
-            ids, mask = encode_conversations(self.tokenizer, prompts[start : start + self.batch_size],
-                                             completions[start : start + self.batch_size], self.system_prompt,
-                                             self.max_length)
+            ids, mask = encode_conversations(
+                self.tokenizer,
+                prompts[start : start + self.batch_size],
+                completions[start : start + self.batch_size],
+                self.system_prompt,
+                self.max_length,
+            )
             out.append(self._score(ids.to(device), mask.to(device)).cpu())
         return torch.cat(out)  # [N]
 
@@ -217,8 +245,9 @@ def _check_classifier(name_or_path: str) -> str:
         config = AutoConfig.from_pretrained(name_or_path)  # a local folder, or a hub id the hub may lack
     except OSError as error:
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise FileNotFoundError(f"RewardModel name_or_path={name_or_path!r} could not be loaded ({reason}); "
-                                f"{EXPECTED}") from error
+        raise FileNotFoundError(
+            f"RewardModel name_or_path={name_or_path!r} could not be loaded ({reason}); {EXPECTED}"
+        ) from error
     kinds = config.architectures or []
     if not any(kind.endswith("ForSequenceClassification") for kind in kinds):
         raise ValueError(
@@ -227,8 +256,10 @@ def _check_classifier(name_or_path: str) -> str:
             "AutoModelForSequenceClassification folder or hub id."
         )
     if config.num_labels != 1:
-        raise ValueError(f"RewardModel name_or_path={name_or_path!r} has a head with {config.num_labels} outputs; "
-                         "a reward model needs exactly one (num_labels=1).")
+        raise ValueError(
+            f"RewardModel name_or_path={name_or_path!r} has a head with {config.num_labels} outputs; "
+            "a reward model needs exactly one (num_labels=1)."
+        )
     return name_or_path
 
 
@@ -249,8 +280,10 @@ def reward_model_folder(name_or_path: str, shared_base: bool) -> str:
         if not shared_base and _hub_id(name_or_path):
             if _hub_model_may_load(name_or_path):
                 return name_or_path
-            problem = (": no such folder, and the model hub is not reachable (offline) with no copy of that hub id "
-                       "in its cache")
+            problem = (
+                ": no such folder, and the model hub is not reachable (offline) with no copy of that hub id "
+                "in its cache"
+            )
         else:
             problem = ": no such folder"
     elif not path.is_dir():
@@ -258,8 +291,11 @@ def reward_model_folder(name_or_path: str, shared_base: bool) -> str:
     else:
         adapter = path / ADAPTER_DIR if (path / ADAPTER_DIR).is_dir() else path
         adapter_missing = [f for f in ADAPTER_FILES if not (adapter / f).is_file()]
-        model_missing = [what for what in (CONFIG, WEIGHTS)
-                         if not any(next(path.glob(pattern), None) for pattern in MODEL_FOLDER_FILES[what])]
+        model_missing = [
+            what
+            for what in (CONFIG, WEIGHTS)
+            if not any(next(path.glob(pattern), None) for pattern in MODEL_FOLDER_FILES[what])
+        ]
         if shared_base and not adapter_missing:
             return str(adapter)
         if not shared_base and not model_missing:
@@ -301,19 +337,25 @@ def _shared_adapter(folder: str, adapter_name: str, module, tokenizer) -> tuple[
 
     spec, policy = module.spec, module.policy
     if spec.lora is None:
-        raise ValueError("RewardModel shared_base=true needs model.policy.lora: the reward model is a second "
-                         "adapter on the policy's frozen base; set shared_base=false for a full fine-tuned policy.")
+        raise ValueError(
+            "RewardModel shared_base=true needs model.policy.lora: the reward model is a second "
+            "adapter on the policy's frozen base; set shared_base=false for a full fine-tuned policy."
+        )
     if tokenizer.get_vocab() != module.tokenizer.get_vocab():
-        raise ValueError(f"RewardModel name_or_path={folder!r} has another vocabulary than model.policy.name_or_path="
-                         f"{spec.name_or_path!r}; shared_base=true needs a reward model trained on the policy's base "
-                         "(or set shared_base=false).")
+        raise ValueError(
+            f"RewardModel name_or_path={folder!r} has another vocabulary than model.policy.name_or_path="
+            f"{spec.name_or_path!r}; shared_base=true needs a reward model trained on the policy's base "
+            "(or set shared_base=false)."
+        )
     base = json.loads((Path(folder) / BASE_FILE).read_text())
     for field in ("name_or_path", "init_adapter"):
         ours = getattr(spec, field)
         if not _same_path(base.get(field), ours):
-            raise ValueError(f"RewardModel name_or_path={folder!r} was trained on policy.{field}={base.get(field)!r}, "
-                             f"this policy has {ours!r}; with shared_base=true both must be the same base (train the "
-                             "reward model with this policy's settings, or set shared_base=false).")
+            raise ValueError(
+                f"RewardModel name_or_path={folder!r} was trained on policy.{field}={base.get(field)!r}, "
+                f"this policy has {ours!r}; with shared_base=true both must be the same base (train the "
+                "reward model with this policy's settings, or set shared_base=false)."
+            )
     if adapter_name not in policy.peft_config:
         was_training = policy.training
         with kept_requires_grad(policy):

@@ -200,9 +200,16 @@ class Sandbox:
         t = iso.tools
         inner = [t["prlimit"], *self._limits()]
         if iso.drop_privileges:
-            inner += [t["setpriv"], f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
-                      "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all",
-                      "--pdeathsig=SIGKILL"]  # setuid clears the death signal; re-arm it
+            inner += [
+                t["setpriv"],
+                f"--reuid={uid}",
+                f"--regid={uid}",
+                "--clear-groups",
+                "--no-new-privs",
+                "--inh-caps=-all",
+                "--bounding-set=-all",
+                "--pdeathsig=SIGKILL",
+            ]  # setuid clears the death signal; re-arm it
         inner += [t["env"], "-i", iso.python, "-I", "-B", "main.py"]
         if not iso.namespaces:
             return inner
@@ -211,33 +218,54 @@ class Sandbox:
             options += f",uid={uid},gid={uid}"
         # The staging tmpfs is mounted on /var/tmp first because /tmp still
         # holds ``workdir``; after the copy it moves over /tmp.
-        script = "\n".join([
-            "set -e",
-            'workdir="$1"; shift',
-            f"{t['mount']} -t tmpfs -o {options} sandbox /var/tmp",
-            f'{t["cp"]} -R "$workdir"/. /var/tmp/',
-            f"{t['mount']} --move /var/tmp /tmp",
-            *(f"{t['mount']} -t tmpfs -o size=1m,mode=1777 sandbox {d}"
-              for d in _SHARED_WRITABLE_DIRS if os.path.isdir(d)),
-            "cd /tmp",
-            'exec "$@"',
-        ])
-        return [t["unshare"], "--net", "--pid", "--fork", "--kill-child", "--mount",
-                "--mount-proc", "--propagation", "private",
-                t["sh"], "-c", script, "sandbox", workdir, *inner]
+        script = "\n".join(
+            [
+                "set -e",
+                'workdir="$1"; shift',
+                f"{t['mount']} -t tmpfs -o {options} sandbox /var/tmp",
+                f'{t["cp"]} -R "$workdir"/. /var/tmp/',
+                f"{t['mount']} --move /var/tmp /tmp",
+                *(
+                    f"{t['mount']} -t tmpfs -o size=1m,mode=1777 sandbox {d}"
+                    for d in _SHARED_WRITABLE_DIRS
+                    if os.path.isdir(d)
+                ),
+                "cd /tmp",
+                'exec "$@"',
+            ]
+        )
+        return [
+            t["unshare"],
+            "--net",
+            "--pid",
+            "--fork",
+            "--kill-child",
+            "--mount",
+            "--mount-proc",
+            "--propagation",
+            "private",
+            t["sh"],
+            "-c",
+            script,
+            "sandbox",
+            workdir,
+            *inner,
+        ]
 
-    def _execute(
-        self, command: list[str], stdin: str, cwd: str, iso: _Isolation, uid: int
-    ) -> SandboxResult:
+    def _execute(self, command: list[str], stdin: str, cwd: str, iso: _Isolation, uid: int) -> SandboxResult:
         start = time.monotonic()
         proc = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env={}, cwd=cwd, start_new_session=True,
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={},
+            cwd=cwd,
+            start_new_session=True,
         )
         try:
             _feed_stdin(proc, stdin)
-            out, err, truncated, timed_out = _collect(proc, start + self.timeout,
-                                                      self.max_output_bytes)
+            out, err, truncated, timed_out = _collect(proc, start + self.timeout, self.max_output_bytes)
         finally:
             _stop(proc, iso.namespaces)
             if iso.drop_privileges and not iso.namespaces:
@@ -355,9 +383,11 @@ def _kill_group(pgid: int) -> None:
 def _kill_uid(iso: _Isolation, uid: int) -> None:
     # kill(-1) as the slot's uid reaches every process that uid owns.
     subprocess.run(
-        [iso.tools["setpriv"], f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
-         iso.tools["kill"], "-KILL", "-1"],
-        env={}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False,
+        [iso.tools["setpriv"], f"--reuid={uid}", f"--regid={uid}", "--clear-groups", iso.tools["kill"], "-KILL", "-1"],
+        env={},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        check=False,
     )
 
 
@@ -388,8 +418,8 @@ def _probe(python: str | None) -> _Isolation:
                     warnings.warn(
                         "Sandbox: Linux namespaces are not available (unshare failed), so "
                         "programs run WITHOUT network or PID isolation; only rlimits apply.",
-                        RuntimeWarning, stacklevel=3,
+                        RuntimeWarning,
+                        stacklevel=3,
                     )
                 return iso
     raise RuntimeError(f"The sandbox cannot start Python from {candidates}: {last}")
-

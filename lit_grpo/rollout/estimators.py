@@ -15,8 +15,15 @@ from typing import NamedTuple
 
 from torch import Tensor
 
-from lit_grpo.objectives import (decoupled_group_advantages, gae_advantages, group_advantages, ppo_token_rewards,
-                                 reinforce_pp_advantages, rloo_advantages, whiten)
+from lit_grpo.objectives import (
+    decoupled_group_advantages,
+    gae_advantages,
+    group_advantages,
+    ppo_token_rewards,
+    reinforce_pp_advantages,
+    rloo_advantages,
+    whiten,
+)
 
 
 @dataclass(frozen=True)
@@ -66,13 +73,16 @@ def _gae(rewards: Tensor, rows: dict, inputs: AdvantageInputs, policy):
     mask = rows["completion_mask"]  # [N, C]
     values = policy.rollout_values(rows, inputs.batch_size)  # [N, C]
     options = inputs.options
-    token_rewards = ppo_token_rewards(rewards, mask, rows.get("old_logprobs"), rows.get("ref_logprobs"),
-                                      beta=options["kl_coef"])  # [N, C]
+    token_rewards = ppo_token_rewards(
+        rewards, mask, rows.get("old_logprobs"), rows.get("ref_logprobs"), beta=options["kl_coef"]
+    )  # [N, C]
     result = gae_advantages(token_rewards, values, mask, gamma=options["gamma"], lam=options["lam"])
     advantages = whiten(result.advantages, mask) if options["whiten_advantages"] else result.advantages  # [N, C]
     real = mask.bool()
-    stats = {"rollout/value_mean": values[real].mean().item() if real.any() else 0.0,
-             "rollout/return_mean": result.returns[real].mean().item() if real.any() else 0.0}
+    stats = {
+        "rollout/value_mean": values[real].mean().item() if real.any() else 0.0,
+        "rollout/return_mean": result.returns[real].mean().item() if real.any() else 0.0,
+    }
     return {"advantages": advantages, "values": values, "returns": result.returns}, stats
 
 

@@ -34,8 +34,9 @@ class RolloutPolicy(Protocol):
         """The objective's numbers the advantage estimators read (``beta``; PPO's ``kl_coef``, ``gamma``,
         ``lam``, ``whiten_advantages``)."""
 
-    def rollout_logprobs(self, rows: dict, temperature: float, reference: bool,
-                         batch_size: int | None = None) -> Tensor:
+    def rollout_logprobs(
+        self, rows: dict, temperature: float, reference: bool, batch_size: int | None = None
+    ) -> Tensor:
         """Log-probs of the rows' completions without grad, ``[N, C]``, ``batch_size`` rows per pass."""
 
     def rollout_values(self, rows: dict, batch_size: int | None = None) -> Tensor:

@@ -110,10 +110,20 @@ class RolloutProducer:
         multi_objective_aggregation: ``data.multi_objective_aggregation``, read by ``grpo``.
     """
 
-    def __init__(self, sampling: SamplingSpec, rewards: RewardCombiner, estimator: str,
-                 encode: Callable, reply: Callable[[list[str]], list], advantage_scale: str = "group",
-                 batch_size: int = 32, num_iterations: int = 1, dynamic_sampling: bool = False,
-                 max_sampling_rounds: int = 4, multi_objective_aggregation: str = "sum_then_normalize") -> None:
+    def __init__(
+        self,
+        sampling: SamplingSpec,
+        rewards: RewardCombiner,
+        estimator: str,
+        encode: Callable,
+        reply: Callable[[list[str]], list],
+        advantage_scale: str = "group",
+        batch_size: int = 32,
+        num_iterations: int = 1,
+        dynamic_sampling: bool = False,
+        max_sampling_rounds: int = 4,
+        multi_objective_aggregation: str = "sum_then_normalize",
+    ) -> None:
         self.sampling, self.rewards, self.estimator = sampling, rewards, estimator
         self.multi_objective_aggregation = multi_objective_aggregation
         self.encode, self.reply = encode, reply
@@ -126,10 +136,20 @@ class RolloutProducer:
         """Whether the estimator puts the KL to the reference into its per-token rewards."""
         return ESTIMATORS[self.estimator].kl_weight is not None
 
-    def produce(self, draw: Callable[[], list[dict]], policy: RolloutPolicy, *, count: int,
-                missing_on_any_rank: Callable[[int], bool], accumulate: int, epoch: int,
-                first: tuple[Request, Rollout, int] | None = None, generator: torch.Generator | None = None,
-                stats: dict[str, float] | None = None, trainer_state: TrainerState | None = None) -> ScoredRollout:
+    def produce(
+        self,
+        draw: Callable[[], list[dict]],
+        policy: RolloutPolicy,
+        *,
+        count: int,
+        missing_on_any_rank: Callable[[int], bool],
+        accumulate: int,
+        epoch: int,
+        first: tuple[Request, Rollout, int] | None = None,
+        generator: torch.Generator | None = None,
+        stats: dict[str, float] | None = None,
+        trainer_state: TrainerState | None = None,
+    ) -> ScoredRollout:
         """Run one rollout round for this rank.
 
         Args:
@@ -164,10 +184,15 @@ class RolloutProducer:
                 request, rollout, _ = first
             else:
                 request = self.prepare(draw())
-                steps = (self.sampling.max_new_tokens if request.episodes is None
-                         else request.episodes.max_episode_tokens)
-                rollout = self.sample(request, policy.engine, generator,
-                                      progress=policy.show_progress(f"rollout {round_index + 1}", steps))
+                steps = (
+                    self.sampling.max_new_tokens if request.episodes is None else request.episodes.max_episode_tokens
+                )
+                rollout = self.sample(
+                    request,
+                    policy.engine,
+                    generator,
+                    progress=policy.show_progress(f"rollout {round_index + 1}", steps),
+                )
             timings["generate"] += rollout.seconds
             generated_tokens += int(rollout.lengths.sum())
             supplied = {"trainer_state": trainer_state, "log_metric": log_metric}
@@ -176,8 +201,16 @@ class RolloutProducer:
                 (spare if self.dynamic_sampling and collapsed else kept).append(group)
             if not missing_on_any_rank(max(count - len(kept), 0)):
                 break
-        result = self._complete((kept + spare)[:count], policy, timings, accumulate, epoch, version,
-                                generated_tokens, rounds=round_index + 1)
+        result = self._complete(
+            (kept + spare)[:count],
+            policy,
+            timings,
+            accumulate,
+            epoch,
+            version,
+            generated_tokens,
+            rounds=round_index + 1,
+        )
         result.stats.update({name: sum(values) / len(values) for name, values in logged.items()})
         if first is not None:
             result.stats.update(stats or {})
@@ -195,8 +228,14 @@ class RolloutProducer:
         extra = {} if generator is None else {"generator": generator}
         if request.episodes is not None:  # episodes with prompts of their own complete once each
             extra["repeat"] = request.episodes.repeat(request.prompt_ids.shape[0])
-        return engine.generate(request.prompt_ids, request.prompt_mask, self.sampling, episodes=request.episodes,
-                               progress=progress, **extra)
+        return engine.generate(
+            request.prompt_ids,
+            request.prompt_mask,
+            self.sampling,
+            episodes=request.episodes,
+            progress=progress,
+            **extra,
+        )
 
     def _score(self, request: Request, rollout: Rollout, timings: dict, supplied: dict) -> list[_Group]:
         """The rewards of a sampled round, one group per prompt (``supplied``: what rewards may name
@@ -213,26 +252,45 @@ class RolloutProducer:
             completions = [record.messages for record in rollout.episodes]
             columns[ENVIRONMENT_REWARD] = environment_rewards(request.environments)
         tokens = rollout.completion_mask if spec is None else rollout.completion_attention  # [N, C]
-        supplied = {**supplied, "completion_ids": [ids[real.bool()].tolist() for ids, real in
-                                                   zip(rollout.completion_ids, tokens)],
-                    "environments": list(request.environments or [None] * len(rows))}
+        supplied = {
+            **supplied,
+            "completion_ids": [ids[real.bool()].tolist() for ids, real in zip(rollout.completion_ids, tokens)],
+            "environments": list(request.environments or [None] * len(rows)),
+        }
         scores = self.rewards.score([r["prompt"] for r in rows], completions, columns, supplied)
         timings["reward"] += time.perf_counter() - start
         groups = []
         for i, prompt in enumerate(prompts):
             s = slice(i * G, (i + 1) * G)
-            groups.append(_Group(
-                rollout.prompt_ids[s], rollout.prompt_mask[s], rollout.completion_ids[s],
-                rollout.completion_mask[s], rollout.truncated[s], rollout.logprobs[s], scores.total[s],
-                {name: values[s] for name, values in scores.per_function.items()},
-                _prompt_text(prompt["prompt"]), rollout.texts[s],
-                None if spec is None else rollout.completion_attention[s],
-                None if spec is None else rollout.episodes[s],
-            ))
+            groups.append(
+                _Group(
+                    rollout.prompt_ids[s],
+                    rollout.prompt_mask[s],
+                    rollout.completion_ids[s],
+                    rollout.completion_mask[s],
+                    rollout.truncated[s],
+                    rollout.logprobs[s],
+                    scores.total[s],
+                    {name: values[s] for name, values in scores.per_function.items()},
+                    _prompt_text(prompt["prompt"]),
+                    rollout.texts[s],
+                    None if spec is None else rollout.completion_attention[s],
+                    None if spec is None else rollout.episodes[s],
+                )
+            )
         return groups
 
-    def _complete(self, groups: list[_Group], policy: RolloutPolicy, timings: dict, accumulate: int, epoch: int,
-                  version: int, generated_tokens: int, rounds: int) -> ScoredRollout:
+    def _complete(
+        self,
+        groups: list[_Group],
+        policy: RolloutPolicy,
+        timings: dict,
+        accumulate: int,
+        epoch: int,
+        version: int,
+        generated_tokens: int,
+        rounds: int,
+    ) -> ScoredRollout:
         _warn_if_all_empty(groups, epoch)
         rows, stats = self._assemble(groups, policy, timings, accumulate, stale=policy.policy_version != version)
         stats.update(_rollout_stats(groups, self.sampling.group_size))
@@ -240,8 +298,11 @@ class RolloutProducer:
         stats["rollout/generated_tokens"] = float(generated_tokens)  # dynamic sampling's dropped groups included
         stats["rollout/rounds"] = float(rounds)
         stats.update({f"time/{name}": seconds for name, seconds in timings.items()})
-        samples = [(g.prompt, self.reply(g.texts[:1])[0], float(g.rewards[0]))
-                   + ((g.episodes[0].messages,) if g.episodes else ()) for g in groups[:2]]
+        samples = [
+            (g.prompt, self.reply(g.texts[:1])[0], float(g.rewards[0]))
+            + ((g.episodes[0].messages,) if g.episodes else ())
+            for g in groups[:2]
+        ]
         if groups[0].episodes is not None:
             stats.update(episode_stats([record for g in groups for record in g.episodes]))
         return ScoredRollout(rows, stats, samples, version, _counts(rows, generated_tokens))
@@ -266,8 +327,9 @@ class RolloutProducer:
             rows["completion_mask"] = sampled * (~truncated).unsqueeze(-1)
             # what DAPO's overlong filtering costs: truncated rows are the long ones, so their
             # share of the tokens is larger than their share of the rows
-            length_stats["rollout/masked_token_fraction"] = 1 - (rows["completion_mask"].sum()
-                                                                 / sampled.sum().clamp(min=1)).item()
+            length_stats["rollout/masked_token_fraction"] = (
+                1 - (rows["completion_mask"].sum() / sampled.sum().clamp(min=1)).item()
+            )
         rewards = torch.cat([g.rewards for g in groups])  # [N]
         options = policy.estimator_options()
         estimator = ESTIMATORS[self.estimator]
@@ -285,11 +347,19 @@ class RolloutProducer:
             start = time.perf_counter()
             rows["old_logprobs"] = policy.rollout_logprobs(rows, sampling.temperature, False, self.batch_size)
             timings["old_logprobs"] = time.perf_counter() - start
-        per_reward = torch.stack([torch.cat([g.per_function[name] for g in groups]) for name in groups[0].per_function],
-                                 dim=-1)  # [N, K]
+        per_reward = torch.stack(
+            [torch.cat([g.per_function[name] for g in groups]) for name in groups[0].per_function], dim=-1
+        )  # [N, K]
         weights = torch.tensor([weight for _, _, weight in self.rewards.entries])  # [K]
-        inputs = AdvantageInputs(sampling.group_size, self.advantage_scale, options, self.batch_size, per_reward,
-                                 weights, self.multi_objective_aggregation)
+        inputs = AdvantageInputs(
+            sampling.group_size,
+            self.advantage_scale,
+            options,
+            self.batch_size,
+            per_reward,
+            weights,
+            self.multi_objective_aggregation,
+        )
         estimated, stats = estimator.compute(rewards, rows, inputs, policy)
         rows.update(estimated)
         rows["rewards"] = rewards
@@ -330,8 +400,14 @@ def _rollout_stats(groups: list[_Group], G: int) -> dict[str, float]:
 def _counts(rows: dict[str, Tensor], generated_tokens: int) -> dict[str, float]:
     attention = rows.get("completion_attention", rows["completion_mask"])
     tokens, pairs = rollout_tokens(rows["prompt_ids"], rows["prompt_mask"], attention)
-    return {"tokens": tokens, "pairs": pairs, "generated": float(generated_tokens), "kept": float(attention.sum()),
-            "reference": float("ref_logprobs" in rows), "old": float("old_logprobs" in rows)}
+    return {
+        "tokens": tokens,
+        "pairs": pairs,
+        "generated": float(generated_tokens),
+        "kept": float(attention.sum()),
+        "reference": float("ref_logprobs" in rows),
+        "old": float("old_logprobs" in rows),
+    }
 
 
 def _right_pad(tensors: list[Tensor], value: int) -> Tensor:

@@ -89,8 +89,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return super().load_checkpoint(path, *args, **kwargs)
         except Exception as error:  # noqa: BLE001 - every reader failure means the same to the user
             raise ValueError(
-                f"ckpt_path={str(path)!r} cannot be read: {_unreadable_because(error)}; "
-                f"{_other_checkpoints(path)}."
+                f"ckpt_path={str(path)!r} cannot be read: {_unreadable_because(error)}; {_other_checkpoints(path)}."
             ) from error
 
 
@@ -100,8 +99,7 @@ def _unreadable_because(error: Exception) -> str:
     detail = text.split("WeightsUnpickler error:", 1)[-1].strip()
     detail = (detail.splitlines() or ["no detail"])[0].split(". ")[0][:120]
     if detail.startswith("Unsupported global"):
-        return (f"it holds a Python object a weights-only load refuses ({detail}), so it was not written "
-                "by lit-grpo fit")
+        return f"it holds a Python object a weights-only load refuses ({detail}), so it was not written by lit-grpo fit"
     return f"the file is damaged or truncated, or was not written by torch.save ({type(error).__name__}: {detail})"
 
 
@@ -158,8 +156,10 @@ def check_checkpoint(checkpoint: Mapping[str, Any], module) -> None:
     if isinstance(checkpoint.get("state_dict"), Mapping):
         problem = _weights_problem(checkpoint["state_dict"], module.state_dict())
         if problem:
-            raise ValueError(f"{where} does not fit this model: {problem}. Resume with the policy settings "
-                             "it was trained with, or start without --ckpt_path.")
+            raise ValueError(
+                f"{where} does not fit this model: {problem}. Resume with the policy settings "
+                "it was trained with, or start without --ckpt_path."
+            )
 
 
 def check_policy(saved: Any, current: Any, where: str) -> None:
@@ -181,8 +181,11 @@ def check_policy(saved: Any, current: Any, where: str) -> None:
         pairs.append(("lora", saved_lora, current_lora))
     else:
         pairs += [(f"lora.{name}", saved_lora.get(name), current_lora.get(name)) for name in _LORA_FIELDS]
-    differences = [f"model.policy.{name}={old!r} in the checkpoint, {new!r} in this run"
-                   for name, old, new in pairs if not _same(name, old, new)]
+    differences = [
+        f"model.policy.{name}={old!r} in the checkpoint, {new!r} in this run"
+        for name, old, new in pairs
+        if not _same(name, old, new)
+    ]
     if differences:
         raise ValueError(
             f"{where} was saved for another policy: {'; '.join(differences)}. Resume with the checkpoint's "
@@ -212,12 +215,16 @@ def _weights_problem(saved: Mapping[str, Any], expected: Mapping[str, Any]) -> s
     reshaped = [k for k in expected if k in saved and tuple(saved[k].shape) != tuple(expected[k].shape)]
     if reshaped:
         k = reshaped[0]
-        return (f"{len(reshaped)} of the {len(expected)} trainable weights have another shape in it, e.g. {k}: "
-                f"{tuple(saved[k].shape)} saved, {tuple(expected[k].shape)} here "
-                "(another base model or LoRA rank?)")
+        return (
+            f"{len(reshaped)} of the {len(expected)} trainable weights have another shape in it, e.g. {k}: "
+            f"{tuple(saved[k].shape)} saved, {tuple(expected[k].shape)} here "
+            "(another base model or LoRA rank?)"
+        )
     if missing:
-        return (f"{len(missing)} of the {len(expected)} trainable weights are not in it, e.g. {missing[0]} "
-                "(other LoRA target modules, or a checkpoint of another model?)")
+        return (
+            f"{len(missing)} of the {len(expected)} trainable weights are not in it, e.g. {missing[0]} "
+            "(other LoRA target modules, or a checkpoint of another model?)"
+        )
     return None
 
 

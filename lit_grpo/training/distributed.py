@@ -100,7 +100,9 @@ def gathered(*models: nn.Module | None):
 
 
 def reduce_across_ranks(
-    strategy, values: Mapping[str, float | torch.Tensor], weight: float = 1.0,
+    strategy,
+    values: Mapping[str, float | torch.Tensor],
+    weight: float = 1.0,
     op: Literal["mean", "max"] = "mean",
 ) -> tuple[dict[str, float], float]:
     """Reduce scalar ``values`` over all ranks now, in one collective.

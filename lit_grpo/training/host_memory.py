@@ -48,8 +48,11 @@ def return_freed_memory() -> bool:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     preloaded = os.environ.get("LD_PRELOAD", "")
-    if ("MALLOC_MMAP_THRESHOLD_" in os.environ or "mmap_threshold" in os.environ.get("GLIBC_TUNABLES", "")
-            or any(name in preloaded for name in ("jemalloc", "tcmalloc", "mimalloc"))):
+    if (
+        "MALLOC_MMAP_THRESHOLD_" in os.environ
+        or "mmap_threshold" in os.environ.get("GLIBC_TUNABLES", "")
+        or any(name in preloaded for name in ("jemalloc", "tcmalloc", "mimalloc"))
+    ):
         return False  # the user chose the threshold, or another allocator serves malloc
     return bool(ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
 

@@ -67,7 +67,8 @@ def is_collective_failure(error: BaseException) -> bool:
         return True
     text = str(error)
     return isinstance(error, RuntimeError) and any(
-        marker in text for marker in ("gloo", "NCCL", "Connection closed by peer", "Connection reset by peer"))
+        marker in text for marker in ("gloo", "NCCL", "Connection closed by peer", "Connection reset by peer")
+    )
 
 
 def describe_collective_failure(error: BaseException, rank: int) -> str:
@@ -75,9 +76,11 @@ def describe_collective_failure(error: BaseException, rank: int) -> str:
     hook, site = _failure_site(error.__traceback__)
     where = f"in {hook}" if hook else "outside any Lightning hook"
     first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-    return (f"rank {rank}: a collective failed {where} ({site}): {first_line}. The ranks stopped "
-            "meeting in the same collectives: one rank timed out waiting (see --collective_timeout) "
-            "or another rank ended; the first rank to report names the hook where they diverged.")
+    return (
+        f"rank {rank}: a collective failed {where} ({site}): {first_line}. The ranks stopped "
+        "meeting in the same collectives: one rank timed out waiting (see --collective_timeout) "
+        "or another rank ended; the first rank to report names the hook where they diverged."
+    )
 
 
 def _failure_site(tb) -> tuple[str | None, str]:
@@ -138,10 +141,12 @@ def _watch(read_fd: int) -> None:
             break
     grace_s = _grace[0]
     time.sleep(grace_s)
-    sys.stderr.write(f"\nlit-grpo: still running {grace_s:g} s after {signal.Signals(signum).name}: no safe point "
-                     "to save at was reached in time (a rollout under several processes, a validation pass, or a "
-                     "rank blocked in a collective); ending this process and its child ranks. The newest "
-                     "last.ckpt resumes; raise --preemption_grace if the scheduler allows.\n")
+    sys.stderr.write(
+        f"\nlit-grpo: still running {grace_s:g} s after {signal.Signals(signum).name}: no safe point "
+        "to save at was reached in time (a rollout under several processes, a validation pass, or a "
+        "rank blocked in a collective); ending this process and its child ranks. The newest "
+        "last.ckpt resumes; raise --preemption_grace if the scheduler allows.\n"
+    )
     sys.stderr.flush()
     end_child_processes()
     os._exit(128 + signum)

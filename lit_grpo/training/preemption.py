@@ -105,8 +105,9 @@ class PreemptionCheckpoint(Callback):
             checkpoint as ``ckpt_path`` to ``trainer.fit``.
     """
 
-    def __init__(self, dirpath: str | Path | None = None, announce: bool = True,
-                 resume_hint: str | None = None) -> None:
+    def __init__(
+        self, dirpath: str | Path | None = None, announce: bool = True, resume_hint: str | None = None
+    ) -> None:
         self.dirpath, self.announce, self.resume_hint = dirpath, announce, resume_hint
         self._previous: dict[int, object] = {}
         self._steps = -1
@@ -130,6 +131,7 @@ class PreemptionCheckpoint(Callback):
                 launcher = trainer.strategy.launcher
                 if launcher is not None and hasattr(launcher, "procs"):  # the ranks rank 0 launched
                     launcher.kill(signum)
+
         return handle
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -139,8 +141,9 @@ class PreemptionCheckpoint(Callback):
         self._previous = {}
 
     # ------------------------------------------------------------ safe points
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int
+    ) -> None:
         if trainer.global_step == self._steps:  # inside an accumulation window (or a skipped step)
             return
         self._steps = trainer.global_step
@@ -158,8 +161,9 @@ class PreemptionCheckpoint(Callback):
     def _stop_if_requested(self, trainer: L.Trainer) -> None:
         signum = stop_requested() or 0
         if trainer.world_size > 1:  # the same decision on every rank
-            signum = int(trainer.strategy.reduce(torch.tensor(signum, device=trainer.strategy.root_device),
-                                                 reduce_op="max"))
+            signum = int(
+                trainer.strategy.reduce(torch.tensor(signum, device=trainer.strategy.root_device), reduce_op="max")
+            )
         if signum:
             raise Preempted(signum, self._save(trainer, signum))
 
@@ -167,8 +171,10 @@ class PreemptionCheckpoint(Callback):
         path = self.checkpoint_path(trainer)
         trainer.save_checkpoint(path)  # every rank: the DataModule gathers the ranks' rollouts
         resume = self.resume_hint or f"trainer.fit(..., ckpt_path={str(path)!r})"
-        message = (f"stopped by {signal.Signals(signum).name} at step {trainer.global_step} (epoch "
-                   f"{trainer.current_epoch}); checkpoint saved to {path}. Resume with: {resume}")
+        message = (
+            f"stopped by {signal.Signals(signum).name} at step {trainer.global_step} (epoch "
+            f"{trainer.current_epoch}); checkpoint saved to {path}. Resume with: {resume}"
+        )
         if self.announce and trainer.is_global_zero:
             sys.stderr.write(f"lit-grpo: {message}\n")
         return message

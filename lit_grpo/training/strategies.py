@@ -19,9 +19,9 @@ _MODEL_PARALLEL = "lightning.pytorch.strategies.ModelParallelStrategy"
 # Lightning imports deepspeed only when a DeepSpeedStrategy is built, so naming the class here is free.
 _REFUSED = {
     FSDPStrategy: f"lit_grpo shards with FSDP2 through {_MODEL_PARALLEL} (see configs/fsdp.yaml); FSDPStrategy's "
-                  "FSDP1 gathers weights only inside the model's forward, and rollouts decode outside it.",
+    "FSDP1 gathers weights only inside the model's forward, and rollouts decode outside it.",
     DeepSpeedStrategy: f"use strategy=ddp, or shard with FSDP2 through {_MODEL_PARALLEL} (see configs/fsdp.yaml); "
-                       "ZeRO-3 gathers weights only inside the engine's forward, and rollouts decode outside it.",
+    "ZeRO-3 gathers weights only inside the engine's forward, and rollouts decode outside it.",
 }
 
 

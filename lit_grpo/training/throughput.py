@@ -66,8 +66,7 @@ class FlopModel:
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
         layers = getattr(config, "num_hidden_layers", 0) or 0
         heads = getattr(config, "num_attention_heads", 0) or 0
-        head_dim = getattr(config, "head_dim", None) or (
-            getattr(config, "hidden_size", 0) // heads if heads else 0)
+        head_dim = getattr(config, "head_dim", None) or (getattr(config, "hidden_size", 0) // heads if heads else 0)
         return cls(base, adapter, trained, layers * heads * head_dim)
 
     def forward(self, tokens: float, pairs: float, adapter: bool = True) -> float:
@@ -95,8 +94,9 @@ def rollout_tokens(prompt_ids: Tensor, prompt_mask: Tensor, attention: Tensor) -
     _, first = _first_of_each(prompt_ids)
     shared = prompt_len[first]  # [distinct]
     tokens = shared.sum() + completion_len.sum()
-    pairs = (shared * (shared + 1) / 2).sum() + (completion_len * prompt_len
-                                                 + completion_len * (completion_len + 1) / 2).sum()
+    pairs = (shared * (shared + 1) / 2).sum() + (
+        completion_len * prompt_len + completion_len * (completion_len + 1) / 2
+    ).sum()
     return float(tokens), float(pairs)
 
 
@@ -148,7 +148,8 @@ class EpochThroughput:
         """Count one micro-batch's training pass (forward and backward) over ``rows``."""
         attention = rows.get("completion_attention", rows["completion_mask"])
         self.training_flops += self.costs.forward_backward(
-            *rollout_tokens(rows["prompt_ids"], rows["prompt_mask"], attention))
+            *rollout_tokens(rows["prompt_ids"], rows["prompt_mask"], attention)
+        )
         self.trained_tokens += float(rows["completion_mask"].sum())
 
     def metrics(self, seconds: dict[str, float]) -> dict[str, float]:
