@@ -345,7 +345,7 @@ def test_top_p_outside_unit_interval(top_p):
 
 
 def test_unknown_loss_type(tiny_model_dir):
-    with pytest.raises(ValueError, match=r"model.loss_type='ppo'; expected one of \['bnpo', 'dapo'"):
+    with pytest.raises(ValueError, match=r"model.loss_type='ppo'; expected one of \['bnpo', 'cispo', 'dapo'"):
         GRPOModule(policy=PolicySpec(name_or_path=tiny_model_dir), loss_type="ppo")
 
 

@@ -40,3 +40,9 @@ def test_an_unknown_name_is_an_attribute_error():
         assert "GRPOModul" in str(error)
     else:
         raise AssertionError("expected an AttributeError")
+
+
+def test_importing_the_modules_prints_no_third_party_warning_a_run_cannot_act_on():
+    code = "import lit_grpo; lit_grpo.GRPOModule; import bitsandbytes"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "gemm_4bit_forward" not in result.stderr, result.stderr

@@ -12,3 +12,12 @@ third-party constructor's refusal, reported against the config field that carrie
 version reads; :mod:`~lit_grpo.model.hardware`: the device's peak matmul rate and the dtype
 ``policy.dtype: auto`` picks.
 """
+
+import logging
+
+# bitsandbytes (which peft imports) tries to fetch its CPU 4-bit kernel from the hub's kernels-community
+# when it is imported, and logs a warning when it cannot (no hub, or a repository it does not trust);
+# its own CPU path runs instead. Nothing a run can act on, 4-bit or not: that one message is dropped.
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
+    lambda record: not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward from kernels-community")
+)
