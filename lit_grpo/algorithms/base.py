@@ -34,6 +34,12 @@ if TYPE_CHECKING:
     from lit_grpo.generation import Engine
 from lit_grpo.training.preemption import PreemptionCheckpoint
 
+# Lightning 2.6 on torch >= 2.10 warns from its own pytree helper (``isinstance(treespec, LeafSpec)`` is
+# deprecated) at every epoch: its code, not a run's, so the message is dropped where it comes from.
+warnings.filterwarnings(
+    "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", module="lightning.pytorch.utilities._pytree"
+)
+
 
 class PolicyModule(L.LightningModule):
     """Base class: a policy with its reference, optimizer and checkpoints.

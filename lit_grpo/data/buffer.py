@@ -8,9 +8,18 @@ drop data.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
 from torch.utils.data import IterableDataset
+
+# Lightning warns at every epoch that an IterableDataset with __len__ may be miscounted by several
+# loader workers; these micro-batches are built in the main process (num_workers 0), where the
+# length is exact, so the warning says nothing about this loader.
+warnings.filterwarnings(
+    "ignore", message=r"Your `IterableDataset` has `__len__` defined", module="lightning.pytorch.utilities.data"
+)
 
 # Tensors with one row per completion; sliced per micro-batch.
 ROW_KEYS = (

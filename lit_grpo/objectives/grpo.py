@@ -118,15 +118,17 @@ class _LossType(NamedTuple):
     aggregation: _Aggregation
 
 
-_MEAN_PER_SEQUENCE = _Aggregation(_mean_per_sequence, None)
-_SUM_OVER_ITEMS = _Aggregation(_sum_over_norm, "num_items")
+# How per-token losses become one number (PPO's policy term takes these too).
+_AGGREGATIONS: dict[str, _Aggregation] = {
+    "grpo": _Aggregation(_mean_per_sequence, None),
+    "bnpo": _Aggregation(_mean_per_token, None),
+    "dapo": _Aggregation(_sum_over_norm, "num_items"),
+    "dr_grpo": _Aggregation(_sum_over_rows_times_norm, "max_completion_length"),
+}
 _LOSS_TYPES: dict[str, _LossType] = {
-    "grpo": _LossType(_clipped, _MEAN_PER_SEQUENCE),
-    "bnpo": _LossType(_clipped, _Aggregation(_mean_per_token, None)),
-    "dapo": _LossType(_clipped, _SUM_OVER_ITEMS),
-    "dr_grpo": _LossType(_clipped, _Aggregation(_sum_over_rows_times_norm, "max_completion_length")),
-    "cispo": _LossType(_cispo, _SUM_OVER_ITEMS),
-    "sapo": _LossType(_sapo, _MEAN_PER_SEQUENCE),
+    **{name: _LossType(_clipped, aggregation) for name, aggregation in _AGGREGATIONS.items()},
+    "cispo": _LossType(_cispo, _AGGREGATIONS["dapo"]),
+    "sapo": _LossType(_sapo, _AGGREGATIONS["grpo"]),
 }
 # The accepted names, for callers that validate a config before any compute.
 LOSS_TYPES = tuple(_LOSS_TYPES)

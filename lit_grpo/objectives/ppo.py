@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from lit_grpo.objectives.grpo import (
-    _LOSS_TYPES,
+    _AGGREGATIONS,
     LossOutput,
     _check_choice,
     _check_norm,
@@ -81,8 +81,8 @@ def ppo_loss(
         ValueError: Unknown ``loss_type``, mismatched shapes, a negative
             clip or coefficient, or a missing normaliser.
     """
-    _check_choice("loss_type", loss_type, _LOSS_TYPES)
-    aggregation = _LOSS_TYPES[loss_type]
+    _check_choice("loss_type", loss_type, _AGGREGATIONS)
+    aggregation = _AGGREGATIONS[loss_type]
     norm = {"num_items": num_items, "max_completion_length": max_completion_length}.get(aggregation.norm_arg)
     _check_norm(loss_type, aggregation.norm_arg, norm)
     for name, value in (
