@@ -66,7 +66,6 @@ import time
 from pathlib import Path
 
 import torch
-from report import write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 # name -> (label, lit-grpo command, config, extra arguments; {model} is the policy's name_or_path)
@@ -388,13 +387,15 @@ def main() -> None:
     results = [r for seed in args.seeds for algorithm in args.algorithms if (r := _child(algorithm, seed, args))]
     if not results:
         sys.exit("no run finished")
-    write_report(
-        args.out,
-        results,
+    out = Path(args.out)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    heading = (
         f"Quickstart task ({args.model}), {args.tokens} generated tokens per run, "
-        f"seeds {args.seeds}; mean ± sample std over seeds.",
-        table(results),
+        f"seeds {args.seeds}; mean ± sample std over seeds."
     )
+    text = f"{heading}\n\n{table(results)}\n"
+    (out / "table.md").write_text(text)
+    print(text)
     print(f"plot: {plot(results, Path(args.out) / 'accuracy_vs_minutes.png')}")
 
 

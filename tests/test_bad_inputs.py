@@ -625,7 +625,10 @@ def test_unexpected_error_keeps_its_traceback(capsys):
     ("argument", "message"),
     [
         ("--data.promts_per_epoch=2", "unrecognized arguments: --data.promts_per_epoch=2"),
-        ("--model.loss_type=ppo", "Expected a typing.Literal['grpo', 'bnpo', 'dapo', 'dr_grpo', 'cispo', 'sapo']. Got value: ppo"),
+        (
+            "--model.loss_type=ppo",
+            "Expected a typing.Literal['grpo', 'bnpo', 'dapo', 'dr_grpo', 'cispo', 'sapo']. Got value: ppo",
+        ),
     ],
 )
 def test_cli_rejects_bad_keys_and_values(capsys, argument, message):

@@ -228,7 +228,7 @@ def pair_scores(
     (:class:`~lit_grpo.data.reward_pairs.RewardDataModule`); the scores are the last of
     :func:`suffix_scores`.
     """
-    return last_scores(*suffix_scores(model, head, input_ids, attention_mask, pad_token_id))
+    return _last_scores(*suffix_scores(model, head, input_ids, attention_mask, pad_token_id))
 
 
 def pair_loss(every: torch.Tensor, lengths: torch.Tensor, suffix_weight: float = 0.0) -> LossOutput:
@@ -238,7 +238,7 @@ def pair_loss(every: torch.Tensor, lengths: torch.Tensor, suffix_weight: float =
     their first difference, the chosen reply's n-th against the rejected one's n-th
     (``RewardModelModule(suffix_weight=)``); its accuracy is the metric ``suffix_accuracy``.
     """
-    result = bradley_terry_loss(*last_scores(every, lengths).chunk(2))  # the conversations' scores
+    result = bradley_terry_loss(*_last_scores(every, lengths).chunk(2))  # the conversations' scores
     if not suffix_weight:
         return result
     (chosen, rejected), (chosen_lengths, rejected_lengths) = every.chunk(2), lengths.chunk(2)  # [B, S], [B]
@@ -250,7 +250,7 @@ def pair_loss(every: torch.Tensor, lengths: torch.Tensor, suffix_weight: float =
     )
 
 
-def last_scores(every: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def _last_scores(every: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """``[N]`` the conversations' scores: each row's last of :func:`suffix_scores`' ``[N, S]``."""
     return every[torch.arange(len(every), device=every.device), lengths - 1]
 

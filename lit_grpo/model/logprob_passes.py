@@ -28,9 +28,7 @@ from torch.utils.checkpoint import checkpoint
 # kept for backward is then a layer input per token per layer; the rest of a pass's
 # activations exist for one layer at a time, forward and recomputed, and grow with
 # the pass, so capping it keeps a step's peak linear in completion length with a
-# small slope. Measured on CPU (fp32, LoRA r=16, 8 layers of SmolLM2-135M's shape,
-# 8 rows of 256/512/1024 tokens): peak tensor memory of a forward+backward 191/345/668
-# MiB in one pass per bucket, 142/190/294 MiB capped at 1024, step time unchanged.
+# small slope (one uncapped pass per bucket makes the slope several times steeper).
 CHECKPOINTED_PASS_TOKENS = 1024
 
 
@@ -414,5 +412,5 @@ def _forward_unchecked(layer: nn.Module, forward, *args, **kwargs):
 def _positions(start: int, stop: int, device) -> torch.Tensor:
     # An index tensor rather than an int: logits_to_keep=k slices the hidden states
     # into a non-contiguous view, which the output head then multiplies through a
-    # copy of its weight per row (seconds in bf16); indexing gathers them contiguously.
+    # copy of its weight per row (slow, in bf16 most); indexing gathers them contiguously.
     return torch.arange(start, stop, device=device)

