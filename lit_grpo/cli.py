@@ -57,11 +57,17 @@ _ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, er
 
 
 class OneLineErrorParser(LightningArgumentParser):
-    """LightningCLI's parser, whose errors are one line: jsonargparse's name the field on
-    one line and the value and what was expected on the next."""
+    """LightningCLI's parser, whose errors are one ``lit-grpo:`` line (jsonargparse's name the
+    field on one line and the value and what was expected on the next, under a page of usage)."""
 
     def error(self, message: str, ex: Exception | None = None):
-        super().error(" ".join(message.split()), ex)
+        message = " ".join(message.split())
+        if not self.exit_on_error:  # parsing inside a parse (a union's try): jsonargparse raises
+            super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        prog = parser.prog.replace(" [options]", "")
+        sys.stderr.write(f"lit-grpo: {message} ({prog} --help lists every option)\n")
+        self.exit(2)
 
 
 class PolicyCli(LightningCLI):

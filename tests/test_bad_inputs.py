@@ -634,9 +634,11 @@ def test_unexpected_error_keeps_its_traceback(capsys):
 def test_cli_rejects_bad_keys_and_values(capsys, argument, message):
     from lit_grpo.cli import main
 
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_info:
         main(["fit", argument])
-    assert message in capsys.readouterr().err
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(lines) == 1  # one line, no page of usage
+    assert lines[0].startswith("lit-grpo: ") and message in lines[0] and lines[0].endswith("--help lists every option)")
 
 
 def test_a_really_full_disk_keeps_the_previous_checkpoint(tmp_path):
