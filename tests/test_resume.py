@@ -1,121 +1,14 @@
-"""Exact resume: a run killed with SIGKILL and resumed from ``last`` ends with the
-same adapter weights, bit for bit, as a run that was never interrupted.
-
-Real ``lit-grpo fit`` subprocesses on a tiny model: one straight run, and one
-killed after epoch 0's checkpoint is on disk and before epoch 1's (so in the
-middle of epoch 1's rollout or training), then resumed with ``--ckpt_path last``.
-Everything that decides the future must come back from the checkpoint: adapter
-weights, optimizer state, the DataModule's prompt position, and the RNG, which
-is re-seeded from ``(seed, epoch, rank)`` at each rollout.
+"""Exact resume of the dataset modules (SFT, reward model, DPO): a run resumed from a checkpoint
+saved inside an epoch ends with the same weights, bit for bit, as a run that was never
+interrupted. (GRPO's runs are killed and resumed at every kind of moment in tests/test_chaos.py.)
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
-# The tiny random model never answers the arithmetic right, so accuracy would be 0
-# everywhere, every advantage 0, and the adapter would never move: an exactness
-# test that could not fail. This reward differs between random completions.
-_REWARD = """
-def letter_share(prompts, completions, **columns):
-    return [sum(ch.isalpha() for ch in text) / max(len(text), 1) for text in completions]
-"""
-
-
-def fit_command(model_dir: str, root: Path, *extra: str) -> list[str]:
-    reward = (
-        '[{"class_path": "lit_grpo.rewards.FromCallable", "init_args": {"function": "resume_reward.letter_share"}}]'
-    )
-    return [
-        sys.executable,
-        "-m",
-        "lit_grpo.cli",
-        "fit",
-        "--seed_everything=0",
-        "--trainer.accelerator=cpu",
-        "--trainer.devices=1",
-        "--trainer.max_epochs=3",
-        "--trainer.logger=false",
-        "--trainer.enable_progress_bar=false",
-        "--trainer.enable_model_summary=false",
-        "--trainer.num_sanity_val_steps=0",
-        f"--trainer.default_root_dir={root}",
-        f"--model.policy.name_or_path={model_dir}",
-        "--model.policy.lora.r=4",
-        "--model.progress=false",
-        "--data.train_size=40",
-        "--data.val_size=4",
-        "--data.prompts_per_epoch=2",
-        "--data.batch_size=4",
-        "--data.sampling.group_size=4",
-        "--data.sampling.max_new_tokens=8",
-        f"--data.rewards={reward}",
-        "--model.optimizer=torch.optim.AdamW",
-        "--model.optimizer.lr=0.01",
-        f"--export_adapter={root / 'adapter'}",
-        *extra,
-    ]
-
-
-def wait_for(path: Path, process: subprocess.Popen, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert process.poll() is None, f"the run ended before writing {path.name}"
-        assert time.monotonic() < deadline, f"no {path.name} after {timeout} s"
-        time.sleep(0.05)
-
-
-def adapter(root: Path) -> dict[str, torch.Tensor]:
-    return load_file(root / "adapter" / "adapter_model.safetensors")
-
-
-def test_killed_run_resumes_to_the_same_weights(tmp_path, tiny_model_dir):
-    (tmp_path / "resume_reward.py").write_text(_REWARD)
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(tmp_path)}
-    straight_dir, killed_dir = tmp_path / "straight", tmp_path / "killed"
-    straight = subprocess.Popen(
-        fit_command(tiny_model_dir, straight_dir), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
-    killed = subprocess.Popen(
-        fit_command(tiny_model_dir, killed_dir), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        wait_for(killed_dir / "checkpoints" / "last.ckpt", killed)
-        os.kill(killed.pid, signal.SIGKILL)
-        assert killed.wait() == -signal.SIGKILL
-    finally:
-        if killed.poll() is None:
-            killed.kill()
-    checkpoints = sorted(p.name for p in (killed_dir / "checkpoints").iterdir())
-    assert checkpoints == ["epoch=0-step=2.ckpt", "last.ckpt"]  # killed inside epoch 1
-    assert not (killed_dir / "adapter").exists()
-
-    resumed = subprocess.run(
-        fit_command(tiny_model_dir, killed_dir, "--ckpt_path=last"),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "Restoring states from the checkpoint path" in resumed.stderr + resumed.stdout
-    _, straight_log = straight.communicate(timeout=600)
-    assert straight.returncode == 0, straight_log[-3000:]
-
-    expected, actual = adapter(straight_dir), adapter(killed_dir)
-    assert any(w.abs().max() > 0 for name, w in expected.items() if "lora_B" in name)  # it trained
-    assert expected.keys() == actual.keys()
-    for name in expected:
-        assert torch.equal(expected[name], actual[name]), name  # bitwise, not merely close
 
 
 # ---------------------------------------------- dataset modules (SFT, reward model, DPO)
