@@ -46,6 +46,7 @@ def test_the_answer_is_read_from_closed_and_open_tags_or_the_last_line():
     assert extract_answer("think <answer>1</answer> then <answer> 12 </answer>") == "12"
     assert extract_answer("<answer>38\nThe answer is correct.") == "38"
     assert extract_answer("So it is\n38\n") == "38"
+    assert extract_answer("<answer>5 + 33 = 38") == "38" and extract_answer("<answer>m = 62</answer>") == "62"
 
 
 def test_an_unknown_task_names_the_close_ones_and_refused_options_name_ours():

@@ -3,7 +3,9 @@
 Rows from ``data.source: reasoning_gym`` carry ``answer`` and ``metadata``
 (which names the task); the answer scored is the text of the completion's last
 ``<answer>…</answer>`` (reasoning-gym's format), an ``<answer>`` left open
-running to the end of its line, or else the completion's last non-empty line.
+running to the end of its line, or else the completion's last non-empty line;
+an answer written as an equation (``6 + 7 = 13``, ``m = 62``) counts as its
+right-hand side.
 """
 
 from __future__ import annotations
@@ -19,14 +21,15 @@ _OPEN = re.compile(r"<answer>\s?([^\n<]*)")
 
 def extract_answer(completion: str) -> str:
     """The answer a completion gives (see the module docstring)."""
-    closed = _CLOSED.findall(completion)
+    closed, opened = _CLOSED.findall(completion), _OPEN.findall(completion)
     if closed:
-        return closed[-1].strip()
-    opened = _OPEN.findall(completion)
-    if opened:
-        return opened[-1].strip()
-    lines = [line.strip() for line in completion.splitlines() if line.strip()]
-    return lines[-1] if lines else ""
+        answer = closed[-1]
+    elif opened:
+        answer = opened[-1]
+    else:
+        lines = [line for line in completion.splitlines() if line.strip()]
+        answer = lines[-1] if lines else ""
+    return answer.rpartition("=")[2].strip()
 
 
 def reasoning_gym_score(
