@@ -80,6 +80,9 @@ def test_two_epoch_fit_logs_rollout_and_validation(tmp_path, tiny_model_dir):
         assert key in metrics and torch.isfinite(metrics[key]), key
     assert fit.global_step == 4  # 2 epochs x (2 prompts x 4 samples / batch 4)
     assert data.position == 4  # two epochs took two prompts each
+    # the bar shows what a policy-gradient run moves, not its loss (~0 by construction)
+    shown = set(fit.progress_bar_metrics)
+    assert {"reward/total", "train/kl", "val/accuracy"} <= shown and not any("loss" in k for k in shown)
 
 
 def test_lora_step_changes_adapter_not_base(tmp_path, tiny_model_dir):

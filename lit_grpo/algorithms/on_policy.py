@@ -39,6 +39,11 @@ SCORED_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
 _STEP_PHASES = ("policy_forward", "policy_backward", "optimizer")
 
 
+# What the progress bar shows of a run: the reward and the KL to the reference (a GRPO loss is ~0 by
+# construction and reads as "nothing trains"); validation adds its accuracy.
+_ON_THE_BAR = ("reward/total", "train/kl")
+
+
 class OnPolicyModule(PolicyModule):
     """Base class of the objectives that train on rollouts (see the module docstring).
 
@@ -132,14 +137,20 @@ class OnPolicyModule(PolicyModule):
             stats, self.rollout_samples = batch["rollout_stats"], batch["rollout_samples"]
             self.throughput.rollout(batch["rollout_counts"])
             self.rollout_seconds = {k.removeprefix("time/"): v for k, v in stats.items() if k.startswith("time/")}
-            self.log_reduced({k: v for k, v in stats.items() if k not in MAX_STATS})
+            plain = {k: v for k, v in stats.items() if k not in MAX_STATS}
+            self.log_reduced({k: plain.pop(k) for k in _ON_THE_BAR if k in plain}, prog_bar=True)
+            self.log_reduced(plain)
             self.log_reduced({k: stats[k] for k in MAX_STATS}, op="max")
 
     def _log_step(self, metrics: dict, loss, rows: int) -> None:
         # Every rank reaches this in every step, also one whose rows were all skipped
         # (weight 0), so the reduction inside is a collective all ranks take part in.
-        self.log_reduced(metrics, weight=rows)
-        self.log_reduced({"train/loss": loss}, weight=rows, prog_bar=True, on_step=True)
+        shown = {k: metrics[k] for k in _ON_THE_BAR if k in metrics}
+        self.log_reduced({k: v for k, v in metrics.items() if k not in shown}, weight=rows)
+        if shown:  # the same keys on every rank: the objective's settings decide them
+            self.log_reduced(shown, weight=rows, prog_bar=True)
+        # A policy-gradient loss is ~0 by construction (advantages are centred): logged, not shown.
+        self.log_reduced({"train/loss": loss}, weight=rows, on_step=True)
 
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
         self.trainer.datamodule.begin_batch(batch["micro_batch"])
