@@ -174,8 +174,8 @@ class RewardCombiner:
         """Raise before any sampling if a reward needs a dataset column that ``source`` lacks, or
         names an argument that is neither a column nor one of :data:`SUPPLIED`."""
         for name, fn, _ in self.entries:
-            named, _ = _arguments(fn)
-            unknown = [a for a in named if a not in SUPPLIED and a not in available]
+            named, _ = _parameters(fn)
+            unknown = [a for a, required in named.items() if required and a not in SUPPLIED and a not in available]
             if unknown:
                 raise ValueError(
                     f"Reward {name!r} takes the argument {unknown[0]!r}, which lit_grpo cannot supply: a reward "
@@ -341,38 +341,29 @@ def _target(fn: RewardFn):
     return fn
 
 
-def _arguments(fn: RewardFn) -> tuple[list[str], bool]:
-    """The parameters a reward names without a default, beyond prompts and completions, and whether
-    it takes ``**kwargs``. A :class:`Reward` without a wrapped function names its ``extra_arguments``."""
+def _parameters(fn: RewardFn) -> tuple[dict[str, bool], bool]:
+    """The parameters a reward's function takes by name (name -> whether it must be given: no default),
+    and whether it takes ``**kwargs``. A :class:`Reward` without a wrapped function takes its
+    ``extra_arguments``."""
     target = _target(fn)
     if isinstance(target, Reward):
-        return list(target.extra_arguments), False
+        return dict.fromkeys(target.extra_arguments, True), False
     try:
         parameters = inspect.signature(target).parameters.values()
     except (TypeError, ValueError):  # a builtin without a signature: columns only, as before
-        return [], False
-    named = [
-        p.name
+        return {}, False
+    named = {
+        p.name: p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
         for p in parameters
-        if p.default is inspect.Parameter.empty
-        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-        and p.name not in ("prompts", "completions")
-    ]
+        if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    }
     return named, any(p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 def _wanted(fn: RewardFn, supplied: dict[str, Any]) -> dict[str, Any]:
     """The values of ``supplied`` that ``fn`` names (all of them for ``**kwargs``)."""
-    target = _target(fn)
-    if isinstance(target, Reward):
-        return {k: v for k, v in supplied.items() if k in target.extra_arguments}
-    try:
-        parameters = inspect.signature(target).parameters
-    except (TypeError, ValueError):
-        return {}
-    if any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
-        return dict(supplied)
-    return {k: v for k, v in supplied.items() if k in parameters}
+    named, every = _parameters(fn)
+    return dict(supplied) if every else {k: v for k, v in supplied.items() if k in named}
 
 
 def _is_async(fn: RewardFn) -> bool:
