@@ -118,7 +118,7 @@ def _recorder_class():
 
         def on_train_start(self, trainer, module) -> None:
             self.seconds += time.perf_counter() - self.mark
-            self.curve.append((0.0, module.evaluate()))  # no update yet
+            self.curve.append((0.0, module.held_out_metrics()["val/accuracy"]))  # no update yet
             self.mark = time.perf_counter()
 
         def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
@@ -145,7 +145,7 @@ def _recorder_class():
             epoch = trainer.current_epoch
             trainer.should_stop = self.tokens >= self.budget
             if trainer.should_stop or (epoch + 1) % self.eval_every == 0:
-                self.curve.append((self.seconds / 60, module.evaluate()))
+                self.curve.append((self.seconds / 60, module.held_out_metrics()["val/accuracy"]))
                 self.kl.append((epoch, _rollout_kl(module, rows, data.sampling.temperature)))
             self.mark = time.perf_counter()
 

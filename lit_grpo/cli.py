@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import errno
 import inspect
+import logging
 import os
 import shlex
 import sys
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -31,13 +33,21 @@ from pathlib import Path
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 import lit_grpo
 from lit_grpo.algorithms.grpo import GRPOModule
-from lit_grpo.cli_checks import check_moved_keys, check_writable, check_yaml_files, replaced_environments
+from lit_grpo.cli_checks import (
+    OneLineErrorParser,
+    check_moved_keys,
+    check_writable,
+    check_yaml_files,
+    replaced_environments,
+)
 from lit_grpo.data.grpo import OnPolicyDataModule
+from lit_grpo.data.setup_checks import check_batch_arithmetic
 from lit_grpo.training.checkpointing import AtomicCheckpointIO, check_lightning_checkpoint, check_policy
 from lit_grpo.training.multiprocess import (
     GRACE_S,
@@ -49,25 +59,18 @@ from lit_grpo.training.multiprocess import (
     set_signal_grace,
 )
 from lit_grpo.training.preemption import Preempted, PreemptionCheckpoint
+from lit_grpo.training.summary import run_summary
+
+# Lightning 2.6 logs an advertisement for its cloud logger at every Trainer start (logger_connector.py);
+# the commands leave it out of their output.
+logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
+    lambda record: not str(record.msg).startswith("💡 Tip: For seamless cloud logging")
+)
 
 USER_ERROR_EXIT = 2  # the same code as a command-line parse error
 _PACKAGE = Path(lit_grpo.__file__).parent
 # The operating system refusing a file: the user's to fix, whoever asked for the file.
 _ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
-
-
-class OneLineErrorParser(LightningArgumentParser):
-    """LightningCLI's parser, whose errors are one ``lit-grpo:`` line (jsonargparse's name the
-    field on one line and the value and what was expected on the next, under a page of usage)."""
-
-    def error(self, message: str, ex: Exception | None = None):
-        message = " ".join(message.split())
-        if not self.exit_on_error:  # parsing inside a parse (a union's try): jsonargparse raises
-            super().error(message, ex)
-        parser = getattr(ex, "subcommand_parser", None) or self
-        prog = parser.prog.replace(" [options]", "")
-        sys.stderr.write(f"lit-grpo: {message} ({prog} --help lists every option)\n")
-        self.exit(2)
 
 
 class PolicyCli(LightningCLI):
@@ -76,6 +79,7 @@ class PolicyCli(LightningCLI):
     before the first rollout."""
 
     def __init__(self, *args, parser_class: type[LightningArgumentParser] = OneLineErrorParser, **kwargs) -> None:
+        self.started = time.perf_counter()  # the summary's minutes count the whole command
         super().__init__(*args, parser_class=parser_class, **kwargs)
 
     def add_arguments_to_parser(self, parser) -> None:
@@ -101,6 +105,9 @@ class PolicyCli(LightningCLI):
             "a process still running then is ended. Keep it below the scheduler's own "
             "grace period (SLURM's KillWait, Kubernetes' terminationGracePeriodSeconds).",
         )
+        # Lightning's module table measures FLOPs only with an example input, which a policy has
+        # none of (it reads "FLOPs 0"); the module prints its trainable and total parameters instead.
+        parser.set_defaults({"trainer.enable_model_summary": False})
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -168,15 +175,20 @@ class PolicyCli(LightningCLI):
             check_policy(saved["policy"], policy.as_dict() if policy else None, f"ckpt_path={path!r}")
 
     def instantiate_trainer(self, **kwargs) -> Trainer:
-        """The Trainer, crash-safe by default: atomic checkpoint files and a ``last.ckpt``.
+        """The Trainer, crash-safe by default, with the same outputs for every command.
 
         Added only where the config names none of its own: an
-        :class:`~lit_grpo.training.checkpointing.AtomicCheckpointIO` plugin, and a
-        ``ModelCheckpoint(save_last=True)`` in ``<default_root_dir>/checkpoints``
-        (not under the logger's per-run version folder, which a resumed run does
-        not share), so ``--ckpt_path last`` finds the killed run's checkpoint.
+        :class:`~lit_grpo.training.checkpointing.AtomicCheckpointIO` plugin (atomic
+        checkpoint files); a ``ModelCheckpoint`` writing ``last.ckpt`` at the end of
+        every epoch into ``<default_root_dir>/checkpoints`` (not under the logger's
+        per-run version folder, which a resumed run does not share), so
+        ``--ckpt_path last`` finds the killed run's checkpoint; and a CSVLogger
+        under ``default_root_dir``, so every run writes a ``metrics.csv`` that
+        ``lit-grpo plot`` draws (``trainer.logger: false`` logs nothing).
         """
         config = self._get(self.config_init, "trainer", default={})
+        if config.get("logger") in (None, True):
+            kwargs["logger"] = CSVLogger(save_dir=config.get("default_root_dir") or os.getcwd())
         plugins = _as_list(config.get("plugins"))
         if not any(isinstance(p, CheckpointIO) for p in plugins):
             kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
@@ -187,7 +199,14 @@ class PolicyCli(LightningCLI):
             # saved at the end of every training epoch, whatever check_val_every_n_epoch is
             callbacks = [
                 *callbacks,
-                ModelCheckpoint(dirpath=_checkpoint_dir(config), save_last=True, save_on_train_epoch_end=True),
+                # one file, last.ckpt, rewritten at the end of every epoch: the one Lightning's
+                # ``--ckpt_path last`` finds (not a second copy named by epoch and step)
+                ModelCheckpoint(
+                    dirpath=_checkpoint_dir(config),
+                    filename="last",
+                    enable_version_counter=False,
+                    save_on_train_epoch_end=True,
+                ),
             ]
         if not any(isinstance(c, PreemptionCheckpoint) for c in callbacks):
             callbacks = [*callbacks, PreemptionCheckpoint(announce=False, resume_hint=_resume_command())]
@@ -216,8 +235,8 @@ class PolicyCli(LightningCLI):
         path = self._get(self.config, "export_adapter")
         if path:  # on every rank: gathering sharded weights is a collective
             self.model.export_adapter(path)
-            if self.trainer.is_global_zero:
-                print(f"adapter written to {path}")
+        if self.trainer.is_global_zero:
+            print(run_summary(self.trainer, self.model, time.perf_counter() - self.started, path))
 
 
 class GRPOCli(PolicyCli):
@@ -227,6 +246,20 @@ class GRPOCli(PolicyCli):
         super().add_arguments_to_parser(parser)
         # Each epoch is one rollout round: the DataModule must regenerate.
         parser.set_defaults({"trainer.reload_dataloaders_every_n_epochs": 1})
+
+    def before_fit(self) -> None:
+        """Also refuse an epoch that does not split into groups, micro-batches and optimizer steps, before
+        the Trainer creates any folder."""
+        data, trainer = self.datamodule, self.trainer
+        check_batch_arithmetic(
+            data.hparams.prompts_per_epoch,
+            data.sampling.group_size,
+            data.hparams.batch_size,
+            data.hparams.num_iterations,
+            trainer.accumulate_grad_batches,
+            trainer.world_size,
+        )
+        super().before_fit()
 
 
 def _resume_command() -> str:

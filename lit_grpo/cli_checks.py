@@ -4,17 +4,37 @@ Before parsing: every YAML file it names is read, so a broken one is reported by
 file and line (:func:`check_yaml_files`), and an option that replaces
 ``data.episodes.environment`` whole is made to parse (:func:`replaced_environments`).
 Before the first rollout: every output folder is checked for writing
-(:func:`check_writable`).
+(:func:`check_writable`). A command line the parser refuses ends the command
+with one ``lit-grpo:`` line (:func:`usage_error`).
 """
 
 from __future__ import annotations
 
+import sys
 import tempfile
 from pathlib import Path
 
 import yaml
+from lightning.pytorch.cli import LightningArgumentParser
 
 from lit_grpo.data.sources import check_utf8
+
+
+def usage_error(prog: str, message: str):
+    """End the command with exit code 2 and one line: ``lit-grpo: <message> (<prog> --help lists every option)``."""
+    sys.stderr.write(f"lit-grpo: {' '.join(message.split())} ({prog} --help lists every option)\n")
+    sys.exit(2)
+
+
+class OneLineErrorParser(LightningArgumentParser):
+    """LightningCLI's parser, whose errors are one ``lit-grpo:`` line (jsonargparse's name the
+    field on one line and the value and what was expected on the next, under a page of usage)."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        if not self.exit_on_error:  # parsing inside a parse (a union's try): jsonargparse raises
+            super().error(" ".join(message.split()), ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        usage_error(parser.prog.replace(" [options]", ""), message)
 
 
 def replaced_environments(argv: list[str]) -> list[str]:

@@ -89,7 +89,8 @@ def test_cli_trainer_is_crash_safe_by_default(tmp_path, tiny_model_dir):
     )
     assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO)
     (checkpoint,) = [c for c in cli.trainer.callbacks if isinstance(c, ModelCheckpoint)]
-    assert checkpoint.save_last is True
+    # one file, last.ckpt, rewritten each epoch: what --ckpt_path last resumes
+    assert (checkpoint.filename, checkpoint.save_top_k, checkpoint.save_last) == ("last", 1, None)
     assert checkpoint.dirpath == str(tmp_path / "checkpoints")
 
 

@@ -14,7 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lit_grpo.model import hardware
 from lit_grpo.model.policy import PolicySpec, build_policy
-from lit_grpo.training.throughput import EpochThroughput, FlopModel, rollout_tokens
+from lit_grpo.training.throughput import EpochThroughput, FlopModel, completion_pairs, rollout_tokens
 
 
 def _tiny_policy(tiny_model_dir, lora=True):
@@ -68,7 +68,18 @@ def test_the_epoch_metrics_divide_flops_by_the_phases_that_did_them():
     }
     tokens, pairs = rollout_tokens(rows["prompt_ids"], rows["prompt_mask"], rows["completion_mask"])
     # twice the 8 kept tokens generated: dynamic sampling dropped a round
-    meter.rollout({"tokens": tokens, "pairs": pairs, "generated": 16, "kept": 8, "reference": 1, "old": 0})
+    meter.rollout(
+        {
+            "tokens": tokens,
+            "pairs": pairs,
+            "decode_pairs": 0.0,
+            "decode_steps": 0.0,
+            "generated": 16,
+            "kept": 8,
+            "reference": 1,
+            "old": 0,
+        }
+    )
     meter.step(rows)
     perf = meter.metrics(
         {"generate": 2.0, "reward": 1.0, "reference": 0.5, "policy_forward": 0.5, "policy_backward": 1.0}
@@ -86,6 +97,36 @@ def test_a_fit_logs_throughput_and_mfu_below_the_measured_peak(tmp_path, tiny_mo
     metrics = fit.callback_metrics
     assert metrics["perf/tokens_per_s"] > 0
     assert 0 < metrics["perf/mfu"] < 1 and 0 < metrics["perf/rollout_mfu"] < 1
+    assert metrics["perf/rollout_roofline"] > 0  # a tiny model's weights sit in cache: no upper bound here
+
+
+def test_a_decode_reads_every_weight_per_step_and_the_cache_per_pair(tiny_model_dir):
+    policy = _tiny_policy(tiny_model_dir)
+    costs = FlopModel.of(policy)
+    linear = [m for m in policy.modules() if isinstance(m, torch.nn.Linear)]
+    assert costs.weight_bytes == sum(m.weight.numel() * 4 for m in linear)
+    config = policy.config
+    assert costs.kv_bytes == 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
+    assert costs.decode_bytes(steps=3, pairs=10) == 3 * costs.weight_bytes + 10 * costs.kv_bytes
+    # a prompt of 2 tokens, a completion of 3: each completion token reads 2 prompt entries and 1, 2, 3 of its own
+    assert completion_pairs(torch.tensor([[0, 1, 1]]), torch.tensor([[1, 1, 1, 0]])) == 3 * 2 + 6
+
+
+def test_the_roofline_is_the_bytes_over_the_bandwidth_over_the_rollout_seconds():
+    costs = FlopModel(base_linear=0, adapter_linear=0, trained_linear=0, attention=0, weight_bytes=1000, kv_bytes=10)
+    meter = EpochThroughput(costs, peak=1e4, bandwidth=1e4)
+    counts = {"tokens": 0, "pairs": 0, "decode_pairs": 50.0, "decode_steps": 4.0, "generated": 8, "kept": 4}
+    meter.rollout({**counts, "reference": 0, "old": 0})
+    # dynamic sampling sampled twice the kept tokens: their cache reads count twice, the steps as they ran
+    assert meter.metrics({"generate": 2.0})["perf/rollout_roofline"] == pytest.approx((4 * 1000 + 100 * 10) / 1e4 / 2)
+    assert "perf/rollout_roofline" not in EpochThroughput(costs, peak=1e4).metrics({"generate": 2.0})
+
+
+def test_the_bandwidth_probe_measures_and_caches(tmp_path):
+    bandwidth = hardware.peak_bandwidth("cpu", str(tmp_path))
+    assert bandwidth > 1e8
+    (stored,) = json.loads((tmp_path / "matmul_peak.json").read_text()).values()
+    assert stored == {"bytes_per_s": bandwidth}
 
 
 def _cached(tmp_path, fp32: float, bf16: float) -> str:

@@ -35,8 +35,11 @@ def answer_rows(
     return datamodule.full_completions(answers), scores.tolist()
 
 
-def greedy_accuracy(module: L.LightningModule, datamodule: L.LightningDataModule, rows: list[dict]) -> float:
-    """Mean validation score of greedy answers to ``rows``, all ranks sharing the work.
+def greedy_accuracy(
+    module: L.LightningModule, datamodule: L.LightningDataModule, rows: list[dict], progress=None
+) -> float:
+    """Mean validation score of greedy answers to ``rows``, all ranks sharing the work (``progress``: a
+    tqdm bar advanced by the prompts answered on this rank, times the number of ranks).
 
     Every rank answers the same number of batches (the last ranks' shares are
     topped up with rows that weigh 0): under FSDP2 each batch gathers the
@@ -54,6 +57,8 @@ def greedy_accuracy(module: L.LightningModule, datamodule: L.LightningDataModule
         completions = module.answer(batch["prompt_ids"], batch["prompt_mask"], batch.get("episodes"))
         scores = datamodule.score_validation(batch["rows"], completions, batch.get("environments"))
         metric.update(scores.to(module.device), torch.tensor(weights[start : start + size], device=module.device))
+        if progress is not None:
+            progress.update(len(batch["rows"]) * world)  # every rank answers as many (padding included)
     return float(metric.compute())
 
 

@@ -22,9 +22,11 @@ from typing import TYPE_CHECKING
 import lightning as L
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from tqdm.auto import tqdm
 
 from lit_grpo.model.policy import PolicySpec, build_policy, load_tokenizer
 from lit_grpo.model.refusals import constructed
+from lit_grpo.training import history
 from lit_grpo.training.checkpointing import atomic_folder, atomic_sharded_saves, check_checkpoint
 from lit_grpo.training.distributed import full_tensors, reduce_across_ranks, shard
 from lit_grpo.training.guard import NonFiniteGuard
@@ -79,6 +81,9 @@ class PolicyModule(L.LightningModule):
         self.strict_loading = False
         self.phase_seconds: dict[str, float] = {}
         self._engine: Engine | None = None  # what samples (objectives that generate), built on first use
+        self.initial_metrics: dict[str, float] = {}  # held-out metrics before the first step
+        self.final_metrics: dict[str, float] = {}  # and after the last (see on_train_end)
+        self.resumed_metrics: str | None = None  # the metrics.csv of the run a checkpoint resumes
 
     # ------------------------------------------------------------------ model
     def setup(self, stage: str) -> None:
@@ -211,14 +216,78 @@ class PolicyModule(L.LightningModule):
     def _add_time(self, phase: str, seconds: float) -> None:
         self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds
 
+    def on_fit_start(self) -> None:
+        if self.global_rank == 0 and self.hparams.get("progress", True):
+            total = sum(p.numel() for p in self.policy.parameters())
+            trainable = sum(p.numel() for p in self.trainable_parameters())
+            tqdm.write(
+                f"policy {self.spec.name_or_path}: {trainable / 1e6:.1f} M trainable of {total / 1e6:.0f} M parameters"
+            )
+
+    # ------------------------------------------------------------- held out
+    def held_out_metrics(self) -> dict[str, float]:
+        """The current policy's metrics on the held-out data, named as validation logs them
+        (every rank takes part); ``{}`` where there is no held-out data."""
+        return {}
+
+    @property
+    def validates_before_training(self) -> bool:
+        """Whether a run from step 0 scores the held-out data before its first step."""
+        return True
+
+    def on_train_start(self) -> None:
+        self.validated_step: int | None = None  # the global step of this fit's latest validation
+        if self.resumed_metrics:  # this run's metrics.csv starts with the resumed run's
+            history.carry_over(self.resumed_metrics, self.trainer)
+        if self.global_step == 0 and self.validates_before_training:
+            self.initial_metrics = self.held_out_metrics()
+            self._report("before training", self.initial_metrics, step=0)
+
+    def on_train_epoch_start(self) -> None:
+        history.flush(self.trainer)  # a run killed in this epoch leaves the finished ones on disk
+
+    def on_validation_epoch_end(self) -> None:
+        if not self.trainer.sanity_checking:
+            self.validated_step = self.global_step
+
+    def on_train_end(self) -> None:
+        """The held-out metrics after training (:attr:`final_metrics`): the last validation's, or a final
+        validation when the last step had none (and validation is not switched off)."""
+        trainer = self.trainer
+        if self.validated_step == self.global_step:
+            self.final_metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+        elif trainer.limit_val_batches != 0:
+            self.final_metrics = self.held_out_metrics()
+            epoch = trainer.fit_loop.epoch_progress.current.started - 1  # the last epoch that ran
+            self._report("after training", self.final_metrics, step=self.global_step, epoch=epoch)
+
+    def _report(self, when: str, metrics: dict[str, float], step: int, epoch: int | None = None) -> None:
+        """Log held-out ``metrics`` to every logger and print them on rank 0 as ``<when>: name value | ...``."""
+        if not metrics:
+            return
+        for logger in self.loggers:
+            logger.log_metrics(metrics if epoch is None else {**metrics, "epoch": epoch}, step=step)
+        if self.global_rank == 0 and self.hparams.get("progress", True):
+            shown = self.printed(metrics)
+            tqdm.write(f"{when}: " + " | ".join(f"{name} {value:.3f}" for name, value in shown.items()))
+
+    def printed(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Which of ``metrics`` the printed lines show (all of them here)."""
+        return metrics
+
     # ------------------------------------------------------------- checkpoint
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["nonfinite_guard"] = self.guard.state_dict()
+        checkpoint["held_out_before"] = self.initial_metrics  # a resumed run's "before"
+        history.flush(self.trainer)
+        checkpoint["metrics_file"] = history.metrics_file(self.trainer)  # where a resumed run's history starts
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.configure_model()
         check_checkpoint(checkpoint, self)  # refuse weights saved for another base model, LoRA rank or targets
         self.guard.load_state_dict(checkpoint.get("nonfinite_guard", {}))
+        self.initial_metrics = checkpoint.get("held_out_before", {})
+        self.resumed_metrics = checkpoint.get("metrics_file")
 
     def export_adapter(self, path: str | Path) -> Path:
         """Write the trained policy as a standard PEFT adapter folder (+ tokenizer).

@@ -27,7 +27,7 @@ from lit_grpo.algorithms.base import PolicyModule
 from lit_grpo.evaluation.samples import append_samples
 from lit_grpo.generation import Engine, GenerationSpec, build_engine
 from lit_grpo.generation.vllm import check_policy
-from lit_grpo.model.hardware import peak_flops
+from lit_grpo.model.hardware import peak_bandwidth, peak_flops
 from lit_grpo.model.logprob_passes import completion_logprobs
 from lit_grpo.model.policy import PolicySpec
 from lit_grpo.rollout.producer import MAX_STATS
@@ -89,12 +89,12 @@ class OnPolicyModule(PolicyModule):
             self._engine = build_engine(self.generation, self)
         return self._engine
 
-    def show_progress(self, description: str, total: int | None = None):
-        """A progress bar (decoding steps) for a rollout phase on rank 0, or ``None``."""
+    def show_progress(self, description: str, total: int | None = None, unit: str = "step"):
+        """A progress bar (decoding steps, or another ``unit``) for a phase on rank 0, or ``None``."""
         shown = self._trainer is None or self._trainer.progress_bar_callback is not None
         if not (self.hparams.progress and shown) or self.global_rank != 0:
             return None
-        return tqdm(desc=description, total=total, unit="step", leave=False, dynamic_ncols=True)
+        return tqdm(desc=description, total=total, unit=unit, leave=False, dynamic_ncols=True)
 
     @torch.no_grad()
     def rollout_logprobs(
@@ -168,17 +168,22 @@ class OnPolicyModule(PolicyModule):
 
     # ---------------------------------------------------------------- logging
     def on_fit_start(self) -> None:
+        super().on_fit_start()
         # Trainer.log_dir is a broadcast: asked once here, where every rank asks,
         # never in the epoch-end hooks that only rank 0 gets to write from.
         self.log_dir = self.trainer.log_dir
-        # The peak is measured on a CPU (cached after the first run): by rank 0 alone, so that
-        # ranks sharing the cores do not slow each other's probe, and broadcast.
-        peak = peak_flops(self.device, self.spec.cache_dir) if self.global_rank == 0 else 0.0
-        self.throughput = EpochThroughput(FlopModel.of(self.policy), self.trainer.strategy.broadcast(peak, src=0))
+        # The peak and the bandwidth are measured on a CPU (cached after the first run): by rank 0
+        # alone, so that ranks sharing the cores do not slow each other's probes, and broadcast.
+        probed = (0.0, 0.0)
+        if self.global_rank == 0:
+            probed = (peak_flops(self.device, self.spec.cache_dir), peak_bandwidth(self.device, self.spec.cache_dir))
+        peak, bandwidth = self.trainer.strategy.broadcast(probed, src=0)
+        self.throughput = EpochThroughput(FlopModel.of(self.policy), peak, bandwidth)
         self.rollout_seconds: dict[str, float] = {}
         self.rollout_samples: list[tuple] = []  # the latest rollout's, written at the epoch's end
 
     def on_train_epoch_start(self) -> None:
+        super().on_train_epoch_start()
         self.phase_seconds = {}
         self.throughput.reset()
 
@@ -195,21 +200,28 @@ class OnPolicyModule(PolicyModule):
         check = getattr(self.engine, "check", None)  # a remote engine's servers, before any rollout
         if check is not None:
             check()
-        datamodule = self.trainer.datamodule
-        if self.hparams.validate_before_training and self.global_step == 0 and datamodule.val_rows:
-            self.initial_val_accuracy = {name: self.evaluate(rows) for name, rows in datamodule.val_sets().items()}
-            for logger in self.loggers:
-                logger.log_metrics(self.initial_val_accuracy, step=0)
-            if self.global_rank == 0 and self.hparams.progress:
-                tqdm.write("before training: " + _accuracies(self.initial_val_accuracy))
+        super().on_train_start()
         # The epoch clock runs from one epoch's end to the next, so it includes the
-        # rollout, which Lightning runs before on_train_epoch_start.
+        # rollout, which Lightning runs after on_train_epoch_start.
         self.epoch_started = time.perf_counter()
 
-    def evaluate(self, rows: list[dict] | None = None) -> float:
-        """Greedy accuracy on ``rows``, by default the validation prompts (see :func:`greedy_accuracy`)."""
+    @property
+    def validates_before_training(self) -> bool:
+        return self.hparams.validate_before_training
+
+    def held_out_metrics(self) -> dict[str, float]:
+        """Greedy accuracy on each held-out set (``val/accuracy``, ``val/<slice>/accuracy``), all ranks sharing
+        the work (see :func:`greedy_accuracy`)."""
         datamodule = self.trainer.datamodule
-        return greedy_accuracy(self, datamodule, datamodule.val_rows if rows is None else rows)
+        if not datamodule.val_rows:
+            return {}
+        sets = datamodule.val_sets()
+        bar = self.show_progress("held-out prompts (greedy)", sum(len(rows) for rows in sets.values()), "prompt")
+        try:
+            return {name: greedy_accuracy(self, datamodule, rows, bar) for name, rows in sets.items()}
+        finally:
+            if bar is not None:
+                bar.close()
 
     def on_train_epoch_end(self) -> None:
         # No collective here: only rank 0 reaches the progress bar's and our own
@@ -217,9 +229,9 @@ class OnPolicyModule(PolicyModule):
         self._write_samples()
         metrics = self.trainer.callback_metrics
         summary = f"epoch {self.current_epoch}: reward {float(metrics.get('reward/total', float('nan'))):.3f}"
-        validated = {name: float(metrics[name]) for name in self.trainer.datamodule.val_sets() if name in metrics}
-        if validated:
-            summary += " | " + _accuracies(validated)
+        if self.validated_step == self.global_step:  # this epoch validated (not an earlier one's figures)
+            names = self.trainer.datamodule.val_sets()
+            summary += "".join(f" | {name} {float(metrics[name]):.3f}" for name in names if name in metrics)
         summary += f" | {time.perf_counter() - self.epoch_started:.1f} s"
         if self.global_rank == 0 and self.hparams.progress:
             tqdm.write(summary)
@@ -254,8 +266,3 @@ class OnPolicyModule(PolicyModule):
         return self.engine.generate(
             prompt_ids, prompt_mask, self.trainer.datamodule.sampling, greedy=True, episodes=episodes
         ).texts
-
-
-def _accuracies(values: dict[str, float]) -> str:
-    """``val/accuracy 0.125 | val/3+2/accuracy 0.031``."""
-    return " | ".join(f"{name} {value:.3f}" for name, value in values.items())

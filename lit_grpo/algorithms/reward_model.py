@@ -143,6 +143,7 @@ class RewardModelModule(SupervisedModule):
         return self.hparams.suffix_weight if self.trainer.datamodule.batch_stage() in stages else 0.0
 
     def on_fit_start(self) -> None:
+        super().on_fit_start()
         stages = self.hparams.suffix_stages
         curriculum = getattr(self.trainer.datamodule, "curriculum", None)
         count = len(curriculum.stages) if curriculum is not None else 0

@@ -31,7 +31,7 @@ class SupervisedModule(PolicyModule):
     the validation metrics) and pass the rest to :class:`PolicyModule`.
     """
 
-    shown_metrics: tuple[str, ...] = ("val/loss",)  # what the epoch summary prints
+    shown_metrics: tuple[str, ...] = ("val/loss",)  # what the printed lines show
     pair_accuracy: str | None = None  # the metric of batch_loss that is preference pairs' accuracy, if any
 
     @abc.abstractmethod
@@ -72,23 +72,17 @@ class SupervisedModule(PolicyModule):
         metrics = {f"val/{k}": v for k, v in self.validation_metrics(batch).items()}
         self.log_dict(metrics, on_step=False, on_epoch=True, sync_dist=True, batch_size=self.batch_rows(batch))
 
-    def on_train_start(self) -> None:
-        # Lightning's sanity check logs nothing, so the "before" figures are taken here.
-        if self.global_step != 0 or not getattr(self.trainer.datamodule, "val_rows", None):
-            return
-        self.initial_metrics = self.evaluate()
-        for logger in self.loggers:
-            logger.log_metrics(self.initial_metrics, step=0)
-        self._print("before training", self.initial_metrics)
-
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
+    def held_out_metrics(self) -> dict[str, float]:
         """Validation metrics of the current policy over all held-out rows (this rank's share)."""
+        datamodule = self.trainer.datamodule
+        if not getattr(datamodule, "val_rows", None):
+            return {}
         was_training = self.training
         self.eval()
         means: dict[str, MeanMetric] = {}
         try:
-            for batch in self.trainer.datamodule.val_dataloader():
+            for batch in datamodule.val_dataloader():
                 batch = self.transfer_batch_to_device(batch, self.device, 0)
                 for name, value in self.validation_metrics(batch).items():
                     means.setdefault(name, MeanMetric().to(self.device)).update(value, self.batch_rows(batch))
@@ -96,13 +90,12 @@ class SupervisedModule(PolicyModule):
             self.train(was_training)
         return {f"val/{k}": float(m.compute()) for k, m in means.items()}
 
+    def printed(self, metrics: dict[str, float]) -> dict[str, float]:
+        return {k: metrics[k] for k in self.shown_metrics if k in metrics}
+
     def on_train_epoch_end(self) -> None:
         # The epoch's validation has run by now, and its metrics are reduced.
         metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("val/")}
-        if metrics:
-            self._print(f"epoch {self.current_epoch}", metrics)
-
-    def _print(self, when: str, metrics: dict[str, float]) -> None:
-        if self.global_rank != 0 or not self.hparams.progress:
-            return
-        tqdm.write(f"{when}: " + " | ".join(f"{k} {metrics[k]:.3f}" for k in self.shown_metrics if k in metrics))
+        shown = self.printed(metrics)
+        if shown and self.validated_step == self.global_step and self.global_rank == 0 and self.hparams.progress:
+            tqdm.write(f"epoch {self.current_epoch}: " + " | ".join(f"{k} {v:.3f}" for k, v in shown.items()))

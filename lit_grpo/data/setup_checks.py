@@ -32,21 +32,45 @@ def choose_estimator(data) -> None:
 def check_prompt_budget(data) -> None:
     """Refuse prompts that do not split over the ranks, micro-batches that do not divide a rollout."""
     hp = data.hparams
-    world = data.trainer.world_size if data.trainer else 1
-    if hp.prompts_per_epoch % world:
-        raise ValueError(
-            f"data.prompts_per_epoch={hp.prompts_per_epoch} must divide evenly over the "
-            f"{world} ranks (each rank samples whole groups for its own prompts)."
-        )
-    rollout = data.prompts_per_rank * data.sampling.group_size
-    if rollout % hp.batch_size:
-        raise ValueError(
-            f"data.batch_size={hp.batch_size} does not divide the {rollout} completions each "
-            f"rank samples per epoch (prompts_per_epoch/world_size={data.prompts_per_rank} "
-            f"x group_size={data.sampling.group_size}); pick a divisor of {rollout}."
-        )
+    check_batch_arithmetic(
+        hp.prompts_per_epoch,
+        data.sampling.group_size,
+        hp.batch_size,
+        hp.num_iterations,
+        data.trainer.accumulate_grad_batches if data.trainer else 1,
+        data.trainer.world_size if data.trainer else 1,
+    )
     if not hp.repeat and hp.prompts_per_epoch > len(data.train_rows):
         raise ValueError(
             f"data.prompts_per_epoch={hp.prompts_per_epoch} exceeds the {len(data.train_rows)} "
             "training prompts; set data.repeat=true to cycle through them."
+        )
+
+
+def check_batch_arithmetic(
+    prompts_per_epoch: int, group_size: int, batch_size: int, num_iterations: int, accumulate: int, world: int
+) -> None:
+    """Refuse an epoch that does not split into whole groups per rank, whole micro-batches per
+    rollout and whole optimizer steps (the command line checks it before the Trainer starts, the
+    DataModule again at set-up with the real number of ranks)."""
+    if prompts_per_epoch % world:
+        raise ValueError(
+            f"data.prompts_per_epoch={prompts_per_epoch} must divide evenly over the "
+            f"{world} ranks (each rank samples whole groups for its own prompts)."
+        )
+    per_rank = prompts_per_epoch // world
+    rollout = per_rank * group_size
+    if rollout % batch_size:
+        raise ValueError(
+            f"data.batch_size={batch_size} does not divide the {rollout} completions each "
+            f"rank samples per epoch (prompts_per_epoch/world_size={per_rank} "
+            f"x group_size={group_size}); pick a divisor of {rollout}."
+        )
+    micro_batches = num_iterations * rollout // batch_size
+    if micro_batches % accumulate:
+        raise ValueError(
+            f"trainer.accumulate_grad_batches={accumulate} does not divide the {micro_batches} micro-batches "
+            f"of an epoch (data.num_iterations={num_iterations} x {rollout} completions per rank / "
+            f"data.batch_size={batch_size}): every optimizer step would not see the same number of "
+            f"completions; pick a divisor of {micro_batches}, or a smaller data.batch_size."
         )

@@ -39,6 +39,7 @@ from lightning.pytorch.cli import LightningCLI
 from tqdm.auto import tqdm
 
 from lit_grpo.algorithms.grpo import GRPOModule
+from lit_grpo.cli_checks import OneLineErrorParser
 from lit_grpo.data.grpo import OnPolicyDataModule
 from lit_grpo.environments.factory import environment_rewards
 from lit_grpo.generation.episodes import episode_stats
@@ -278,6 +279,7 @@ def main(argv: list[str]) -> dict[str, float]:
         run=False,
         args=argv,
         save_config_callback=None,
+        parser_class=OneLineErrorParser,
         parser_kwargs={
             "prog": "lit-grpo eval",
             "description": "Score a base model or base + adapter on held-out prompts.",

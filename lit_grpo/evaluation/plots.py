@@ -24,7 +24,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from lit_grpo.cli_checks import check_writable
+from lit_grpo.cli_checks import check_writable, usage_error
 
 BEFORE_TRAINING = -1  # the epoch at which values logged before the first epoch are drawn
 
@@ -231,6 +231,11 @@ def _csv_logger(trainer: L.Trainer) -> CSVLogger | None:
     return next((logger for logger in trainer.loggers if isinstance(logger, CSVLogger)), None)
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        usage_error(self.prog, message)
+
+
 def main(argv: list[str] | None = None) -> list[Path]:
     """``lit-grpo plot RUN_DIR [--out DIR] [--each] [--panels ...]``: print the PNGs written.
 
@@ -239,12 +244,12 @@ def main(argv: list[str] | None = None) -> list[Path]:
         FileNotFoundError: No ``metrics.csv`` under ``RUN_DIR``.
         ValueError: None of the panels has data.
     """
-    parser = argparse.ArgumentParser(prog="lit-grpo plot", description="Draw a run's per-epoch curves as PNG files.")
+    parser = _Parser(prog="lit-grpo plot", description="Draw a run's per-epoch curves as PNG files.")
     parser.add_argument("run_dir", help="run folder (the newest metrics.csv below it is read) or a metrics.csv")
     parser.add_argument("--out", default=None, help="folder for the PNGs (default: RUN_DIR)")
     parser.add_argument("--each", action="store_true", help="also write one PNG per metric into OUT/curves/")
     parser.add_argument("--panels", nargs="+", choices=list(PANELS), default=None, help="panels to draw (default: all)")
-    args = parser.parse_args(argv)  # a usage error exits here, argparse's way
+    args = parser.parse_args(argv)  # a usage error exits here, in one line
     # Anything else raises: the lit-grpo command prints one "lit-grpo: <message>" line for it.
     if args.out is not None and Path(args.out).is_file():
         raise NotADirectoryError(

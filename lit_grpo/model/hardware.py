@@ -9,6 +9,9 @@ Two questions are answered here, both by measurement where no table can:
   the process's thread count, the faster of the two being the peak. The
   result is cached in ``<cache>/matmul_peak.json`` by CPU model, thread count
   and torch version, so later runs read it.
+* **The read bandwidth**, the bound of a decode step (``perf/rollout_roofline``):
+  repeated sums over a 256 MiB tensor (:func:`measure_bandwidth`), cached
+  like the peak on a CPU.
 * **The fastest dtype**, what ``policy.dtype: auto`` picks: bf16 on a GPU that
   supports it; on a CPU bf16 where the probe's bf16 matmul is at least
   :data:`BF16_MIN_SPEEDUP` times its fp32 one (CPUs with AMX or AVX-512 BF16
@@ -53,6 +56,9 @@ BF16_MIN_SPEEDUP = 1.5
 PROBE_SHAPE = (1024, 1024, 2048)
 """``[m, k] @ [k, n]`` of the CPU probe: as wide as a small model's layers, 4.3 GFLOP a product."""
 
+BANDWIDTH_PROBE_BYTES = 256 * 2**20
+"""What the bandwidth probe reads per pass: larger than any CPU's caches."""
+
 
 def measure_matmul_flops(dtype: torch.dtype, device: torch.device | str = "cpu", seconds: float = 0.3) -> float:
     """FLOP/s of repeated ``[m, k] @ [k, n]`` products (:data:`PROBE_SHAPE`) on ``device`` in ``dtype``.
@@ -88,6 +94,28 @@ def measure_matmul_flops(dtype: torch.dtype, device: torch.device | str = "cpu",
             if elapsed >= seconds:
                 break
         best = max(best, 2 * m * k * n * count / elapsed)
+    return best
+
+
+def measure_bandwidth(device: torch.device | str = "cpu", seconds: float = 0.3) -> float:
+    """Bytes/s ``device`` reads from memory: repeated sums over a :data:`BANDWIDTH_PROBE_BYTES` fp32
+    tensor (far larger than any cache, as a decode step's weights are), the best of three rounds of at
+    least ``seconds``."""
+    x = torch.ones(BANDWIDTH_PROBE_BYTES // 4, device=device)
+    synchronize = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    x.sum()
+    best = 0.0
+    for _ in range(3):
+        synchronize()
+        start, count = time.perf_counter(), 0
+        while True:
+            x.sum()
+            count += 1
+            synchronize()
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds:
+                break
+        best = max(best, BANDWIDTH_PROBE_BYTES * count / elapsed)
     return best
 
 
@@ -142,6 +170,35 @@ def _cpu_matmul_flops(path: str, cpu: str, threads: int) -> tuple[tuple[str, flo
         }
         _store(file, key, cached)
     return tuple(sorted(cached.items()))
+
+
+def peak_bandwidth(device: torch.device | str, cache_dir: str | None = None) -> float:
+    """The device's measured memory read bandwidth in bytes/s, the bound of a decode step
+    (``perf/rollout_roofline``). On a CPU measured once per CPU model, thread count and torch version and
+    cached beside the matmul peak; on a GPU measured once per process."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return _cuda_bandwidth(device.index or 0)
+    return _cpu_bandwidth(str(_cache_file(cache_dir)), cpu_name(), torch.get_num_threads())
+
+
+@functools.cache
+def _cpu_bandwidth(path: str, cpu: str, threads: int) -> float:
+    key = f"{cpu} | {threads} threads | torch {torch.__version__} | read bytes/s"
+    file = Path(path)
+    try:
+        cached = json.loads(file.read_text()).get(key)
+    except (OSError, ValueError):
+        cached = None
+    if not cached:
+        cached = {"bytes_per_s": measure_bandwidth()}
+        _store(file, key, cached)
+    return cached["bytes_per_s"]
+
+
+@functools.cache
+def _cuda_bandwidth(index: int) -> float:
+    return measure_bandwidth(torch.device("cuda", index))
 
 
 def _store(file: Path, key: str, value: dict) -> None:

@@ -32,7 +32,7 @@ from lit_grpo.objectives import group_advantages
 from lit_grpo.rewards import RewardCombiner, TrainerState
 from lit_grpo.rollout.estimators import ESTIMATORS, AdvantageInputs
 from lit_grpo.rollout.policy import RolloutPolicy
-from lit_grpo.training.throughput import rollout_tokens
+from lit_grpo.training.throughput import completion_pairs, rollout_tokens
 
 # Rollout statistics whose value over all ranks is their maximum (the rest are means).
 MAX_STATS = ("completion/length_max",)
@@ -51,9 +51,10 @@ class ScoredRollout:
         stats: Its statistics (reward, lengths, timings, ...) to log once.
         samples: ``(prompt, completion, reward[, an episode's messages])`` to log.
         version: The policy version (optimizer steps taken) that sampled it.
-        counts: What the model read to make it, for the FLOP count:
-            ``tokens``, ``pairs``, ``generated`` tokens, ``kept`` tokens, and
-            ``reference``/``old`` (which scoring passes ran, 0 or 1).
+        counts: What the model read to make it, for the FLOP and bandwidth counts:
+            ``tokens``, ``pairs``, ``decode_pairs`` (the completions' pairs),
+            ``decode_steps`` (over all sampling rounds), ``generated`` tokens,
+            ``kept`` tokens, and ``reference``/``old`` (which scoring passes ran, 0 or 1).
     """
 
     rows: dict[str, Tensor]
@@ -173,7 +174,7 @@ class RolloutProducer:
         timings = {"generate": 0.0, "reward": 0.0}
         kept: list[_Group] = []
         spare: list[_Group] = []
-        generated_tokens = 0
+        sampled = {"generated": 0, "decode_steps": 0}  # tokens sampled, and decode steps run, over the rounds
         logged: dict[str, list[float]] = {}  # the rewards' log_metric calls
 
         def log_metric(name: str, value: float) -> None:
@@ -187,14 +188,13 @@ class RolloutProducer:
                 steps = (
                     self.sampling.max_new_tokens if request.episodes is None else request.episodes.max_episode_tokens
                 )
-                rollout = self.sample(
-                    request,
-                    policy.engine,
-                    generator,
-                    progress=policy.show_progress(f"rollout {round_index + 1}", steps),
-                )
+                label = "rollout"
+                if round_index:  # dynamic sampling: the groups whose completions all scored the same are replaced
+                    label = f"resampling {round_index}/{self.rounds - 1}: {count - len(kept)} groups had equal rewards"
+                rollout = self.sample(request, policy.engine, generator, progress=policy.show_progress(label, steps))
             timings["generate"] += rollout.seconds
-            generated_tokens += int(rollout.lengths.sum())
+            sampled["generated"] += int(rollout.lengths.sum())
+            sampled["decode_steps"] += rollout.completion_ids.shape[1]
             supplied = {"trainer_state": trainer_state, "log_metric": log_metric}
             for group in self._score(request, rollout, timings, supplied):
                 collapsed = self.dynamic_sampling and bool(group_advantages(group.rewards, G).collapsed[0])
@@ -208,7 +208,7 @@ class RolloutProducer:
             accumulate,
             epoch,
             version,
-            generated_tokens,
+            sampled,
             rounds=round_index + 1,
         )
         result.stats.update({name: sum(values) / len(values) for name, values in logged.items()})
@@ -288,14 +288,14 @@ class RolloutProducer:
         accumulate: int,
         epoch: int,
         version: int,
-        generated_tokens: int,
+        sampled: dict[str, int],
         rounds: int,
     ) -> ScoredRollout:
         _warn_if_all_empty(groups, epoch)
         rows, stats = self._assemble(groups, policy, timings, accumulate, stale=policy.policy_version != version)
         stats.update(_rollout_stats(groups, self.sampling.group_size))
-        stats["rollout/tokens_per_s"] = generated_tokens / max(timings["generate"], 1e-9)
-        stats["rollout/generated_tokens"] = float(generated_tokens)  # dynamic sampling's dropped groups included
+        stats["rollout/tokens_per_s"] = sampled["generated"] / max(timings["generate"], 1e-9)
+        stats["rollout/generated_tokens"] = float(sampled["generated"])  # dynamic sampling's dropped groups included
         stats["rollout/rounds"] = float(rounds)
         stats.update({f"time/{name}": seconds for name, seconds in timings.items()})
         samples = [
@@ -305,7 +305,7 @@ class RolloutProducer:
         ]
         if groups[0].episodes is not None:
             stats.update(episode_stats([record for g in groups for record in g.episodes]))
-        return ScoredRollout(rows, stats, samples, version, _counts(rows, generated_tokens))
+        return ScoredRollout(rows, stats, samples, version, _counts(rows, sampled))
 
     def _assemble(self, groups: list[_Group], policy: RolloutPolicy, timings: dict, accumulate: int, stale: bool):
         sampling = self.sampling
@@ -397,13 +397,15 @@ def _rollout_stats(groups: list[_Group], G: int) -> dict[str, float]:
     return stats
 
 
-def _counts(rows: dict[str, Tensor], generated_tokens: int) -> dict[str, float]:
+def _counts(rows: dict[str, Tensor], sampled: dict[str, int]) -> dict[str, float]:
     attention = rows.get("completion_attention", rows["completion_mask"])
     tokens, pairs = rollout_tokens(rows["prompt_ids"], rows["prompt_mask"], attention)
     return {
         "tokens": tokens,
         "pairs": pairs,
-        "generated": float(generated_tokens),
+        "decode_pairs": completion_pairs(rows["prompt_mask"], attention),
+        "decode_steps": float(sampled["decode_steps"]),
+        "generated": float(sampled["generated"]),
         "kept": float(attention.sum()),
         "reference": float("ref_logprobs" in rows),
         "old": float("old_logprobs" in rows),

@@ -20,7 +20,11 @@ checkpointing is not counted):
 Generation is counted as the forward of the prompts and of every sampled
 token (a KV cache's work); its decode steps are few-row matmuls, bound by
 memory bandwidth rather than by the matmul peak, so ``perf/rollout_mfu`` is
-low by nature on every device.
+low by nature on every device. ``perf/rollout_roofline`` measures the decode
+against the bound that does hold: the bytes it must read (every weight once
+per decode step, and the cached keys and values each new token attends to)
+over the device's measured read bandwidth, divided by the rollout's seconds.
+1.0 is a decode that does nothing but stream its weights and cache.
 """
 
 from __future__ import annotations
@@ -41,20 +45,27 @@ class FlopModel:
         adapter_linear: The same over LoRA matrices.
         trained_linear: The same over linear layers whose weight trains.
         attention: ``layers * heads * head_dim`` (0 when the config does not say).
+        weight_bytes: Bytes of the linear layers' weights as stored (4-bit ones packed): what every
+            decode step reads.
+        kv_bytes: Bytes of one token's keys and values over all layers, in the weights' dtype: what a
+            decode step reads per cached token it attends to.
     """
 
     base_linear: int
     adapter_linear: int
     trained_linear: int
     attention: int
+    weight_bytes: int = 0
+    kv_bytes: int = 0
 
     @classmethod
     def of(cls, model: nn.Module) -> FlopModel:
         """Read the costs of ``model`` (a causal LM, or a peft model wrapping one)."""
-        base = adapter = trained = 0
+        base = adapter = trained = weight_bytes = 0
         for name, module in model.named_modules():
             if not isinstance(module, nn.Linear):
                 continue
+            weight_bytes += module.weight.numel() * module.weight.element_size()
             size = module.in_features * module.out_features  # not weight.numel(): 4-bit weights are packed
             if "lora_" in name:
                 adapter += size
@@ -67,7 +78,15 @@ class FlopModel:
         layers = getattr(config, "num_hidden_layers", 0) or 0
         heads = getattr(config, "num_attention_heads", 0) or 0
         head_dim = getattr(config, "head_dim", None) or (getattr(config, "hidden_size", 0) // heads if heads else 0)
-        return cls(base, adapter, trained, layers * heads * head_dim)
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        element = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
+        kv_bytes = 2 * layers * kv_heads * head_dim * element
+        return cls(base, adapter, trained, layers * heads * head_dim, weight_bytes, kv_bytes)
+
+    def decode_bytes(self, steps: float, pairs: float) -> float:
+        """Bytes a KV-cached decode reads from memory: every weight once per step, and the cached keys and
+        values of each (query, key) pair (:func:`completion_pairs`)."""
+        return self.weight_bytes * steps + self.kv_bytes * pairs
 
     def forward(self, tokens: float, pairs: float, adapter: bool = True) -> float:
         """FLOPs of a forward over ``tokens`` tokens scoring ``pairs`` (query, key) pairs."""
@@ -90,14 +109,18 @@ def rollout_tokens(prompt_ids: Tensor, prompt_mask: Tensor, attention: Tensor) -
             episode's tool tokens included: the model reads them).
     """
     prompt_len = prompt_mask.sum(-1).double()  # [N]
-    completion_len = attention.sum(-1).double()  # [N]
     _, first = _first_of_each(prompt_ids)
     shared = prompt_len[first]  # [distinct]
-    tokens = shared.sum() + completion_len.sum()
-    pairs = (shared * (shared + 1) / 2).sum() + (
-        completion_len * prompt_len + completion_len * (completion_len + 1) / 2
-    ).sum()
-    return float(tokens), float(pairs)
+    tokens = shared.sum() + attention.sum()
+    return float(tokens), float((shared * (shared + 1) / 2).sum()) + completion_pairs(prompt_mask, attention)
+
+
+def completion_pairs(prompt_mask: Tensor, attention: Tensor) -> float:
+    """The (query, key) pairs of the completion tokens: each attends to its prompt and to its own earlier
+    tokens. In a KV-cached decode, the cache entries its steps read."""
+    prompt_len = prompt_mask.sum(-1).double()  # [N]
+    completion_len = attention.sum(-1).double()  # [N]
+    return float((completion_len * prompt_len + completion_len * (completion_len + 1) / 2).sum())
 
 
 def _first_of_each(rows: Tensor) -> tuple[Tensor, Tensor]:
@@ -118,15 +141,17 @@ class EpochThroughput:
     Args:
         flops: The model's per-token costs.
         peak: The device's peak FLOP/s (:func:`lit_grpo.model.hardware.peak_flops`).
+        bandwidth: The device's memory read bandwidth in bytes/s
+            (:func:`lit_grpo.model.hardware.peak_bandwidth`); 0 leaves ``perf/rollout_roofline`` out.
     """
 
-    def __init__(self, flops: FlopModel, peak: float) -> None:
-        self.costs, self.peak = flops, peak
+    def __init__(self, flops: FlopModel, peak: float, bandwidth: float = 0.0) -> None:
+        self.costs, self.peak, self.bandwidth = flops, peak, bandwidth
         self.reset()
 
     def reset(self) -> None:
         """Forget the epoch counted so far."""
-        self.training_flops = self.generation_flops = self.trained_tokens = 0.0
+        self.training_flops = self.generation_flops = self.trained_tokens = self.decode_bytes = 0.0
 
     def rollout(self, counts: dict[str, float]) -> None:
         """Count a rollout's generation and its scoring passes (reference, old log-probs).
@@ -143,6 +168,7 @@ class EpochThroughput:
         # Dynamic sampling's dropped groups were sampled too: the kept rows' cost, scaled to all tokens sampled.
         scale = generated / kept if kept and generated else 1.0
         self.generation_flops += scale * self.costs.forward(tokens, pairs)
+        self.decode_bytes += self.costs.decode_bytes(counts["decode_steps"], scale * counts["decode_pairs"])
 
     def step(self, rows: dict[str, Tensor]) -> None:
         """Count one micro-batch's training pass (forward and backward) over ``rows``."""
@@ -162,8 +188,11 @@ class EpochThroughput:
         training = sum(seconds.get(phase, 0.0) for phase in TRAINING_PHASES)
         generate = seconds.get("generate", 0.0)
         total = sum(seconds.values())
-        return {
+        metrics = {
             "perf/tokens_per_s": self.trained_tokens / total if total > 0 else 0.0,
             "perf/mfu": self.training_flops / training / self.peak if training > 0 else 0.0,
             "perf/rollout_mfu": self.generation_flops / generate / self.peak if generate > 0 else 0.0,
         }
+        if self.bandwidth > 0 and generate > 0:  # the share of the time the decode's memory reads need at most
+            metrics["perf/rollout_roofline"] = self.decode_bytes / self.bandwidth / generate
+        return metrics

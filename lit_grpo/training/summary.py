@@ -1,0 +1,49 @@
+"""What a finished ``lit-grpo ... fit`` prints last: the held-out figures before and after, the minutes,
+and where the run's metrics, curves, adapter and checkpoints are."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lit_grpo.training.history import csv_logger
+
+
+def run_summary(trainer: L.Trainer, module, seconds: float, adapter: str | None) -> str:
+    """The summary of a finished fit of ``module`` (a :class:`~lit_grpo.algorithms.base.PolicyModule`).
+
+    Args:
+        trainer: The trainer that ran the fit.
+        module: The trained module; its ``initial_metrics`` and ``final_metrics`` are the held-out
+            figures before the first step (a resumed run's come from its checkpoint) and after the last.
+        seconds: The whole command's wall-clock time.
+        adapter: Where the adapter was exported, if it was.
+    """
+    epochs = trainer.fit_loop.epoch_progress.current.completed
+    lines = [f"finished: {epochs} epochs, {trainer.global_step} optimizer steps in {seconds / 60:.1f} min"]
+    before, after = module.printed(module.initial_metrics), module.printed(module.final_metrics)
+    for name in dict.fromkeys([*before, *after]):
+        lines.append(f"  {name}: {_figure(before.get(name))} before -> {_figure(after.get(name))} after")
+    logger = csv_logger(trainer)
+    if logger is not None:
+        folder = Path(logger.log_dir)
+        lines.append(f"  metrics: {folder / 'metrics.csv'} (curves: lit-grpo plot {folder})")
+    elif trainer.logger is not None:
+        lines.append(f"  logs: {trainer.log_dir}")
+    if adapter:
+        lines.append(f"  adapter: {adapter}")
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            if callback.best_model_path and callback.monitor:
+                lines.append(f"  best checkpoint ({callback.monitor}): {callback.best_model_path}")
+            # without a monitor the one kept is the newest (the command's default: last.ckpt)
+            last = callback.last_model_path or (callback.best_model_path if not callback.monitor else "")
+            if last:
+                lines.append(f"  last checkpoint: {last}")
+    return "\n".join(lines)
+
+
+def _figure(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
