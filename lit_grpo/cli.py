@@ -7,28 +7,21 @@ a PreferenceDataModule instead (``lit-grpo dpo --help``);
 ``lit-grpo plot RUN_DIR`` draws a finished run's curves.
 
 Whatever stops a run, the last line on stderr says what: ``lit-grpo: <message>``,
-naming the field or file, the value and what was expected. A mistake the user
-can fix (a config, data, checkpoint or output path refused by lit_grpo's
-checks, also when a library wrapped the check's error; a file the operating
-system refuses) exits with code 2 and shows no traceback unless
-``LIT_GRPO_DEBUG=1``; anything else is a bug somewhere and keeps its
-traceback above that line (exit code 1). Checks that need the whole command
-run here, before the first rollout: YAML files by file and line, the
-checkpoint of ``--ckpt_path``, and every output folder's permissions.
+naming the field or file, the value and what was expected
+(:mod:`lit_grpo.cli_errors`). Checks that need the whole command run here,
+before the first rollout: YAML files by file and line, the checkpoint of
+``--ckpt_path``, the batch arithmetic, and every output folder's permissions.
 """
 
 from __future__ import annotations
 
-import errno
 import inspect
 import logging
 import os
 import shlex
 import sys
 import time
-import traceback
 import warnings
-from pathlib import Path
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -37,15 +30,19 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-import lit_grpo
 from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.cli_checks import (
     OneLineErrorParser,
+    as_list,
     check_moved_keys,
     check_writable,
     check_yaml_files,
+    checkpoint_dir,
+    default_last_checkpoint,
+    is_checkpoint_file,
     replaced_environments,
 )
+from lit_grpo.cli_errors import USER_ERROR_EXIT, report_failure
 from lit_grpo.data.grpo import OnPolicyDataModule
 from lit_grpo.data.setup_checks import check_batch_arithmetic
 from lit_grpo.training.checkpointing import AtomicCheckpointIO, check_lightning_checkpoint, check_policy
@@ -66,11 +63,6 @@ from lit_grpo.training.summary import run_summary
 logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
     lambda record: not str(record.msg).startswith("💡 Tip: For seamless cloud logging")
 )
-
-USER_ERROR_EXIT = 2  # the same code as a command-line parse error
-_PACKAGE = Path(lit_grpo.__file__).parent
-# The operating system refusing a file: the user's to fix, whoever asked for the file.
-_ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
 
 
 class PolicyCli(LightningCLI):
@@ -156,8 +148,8 @@ class PolicyCli(LightningCLI):
         config = self._command_config()
         path = config.get("ckpt_path")
         if path == "last":
-            path = _default_last_checkpoint(config.get("trainer") or {})
-        if not _is_checkpoint_file(path):
+            path = default_last_checkpoint(config.get("trainer") or {})
+        if not is_checkpoint_file(path):
             return
         checkpoint = AtomicCheckpointIO().load_checkpoint(path, weights_only=config.get("weights_only"))
         check_lightning_checkpoint(checkpoint, path)
@@ -189,10 +181,10 @@ class PolicyCli(LightningCLI):
         config = self._get(self.config_init, "trainer", default={})
         if config.get("logger") in (None, True):
             kwargs["logger"] = CSVLogger(save_dir=config.get("default_root_dir") or os.getcwd())
-        plugins = _as_list(config.get("plugins"))
+        plugins = as_list(config.get("plugins"))
         if not any(isinstance(p, CheckpointIO) for p in plugins):
             kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
-        callbacks = _as_list(config.get("callbacks"))
+        callbacks = as_list(config.get("callbacks"))
         if config.get("enable_checkpointing") is not False and not any(
             isinstance(c, ModelCheckpoint) for c in callbacks
         ):
@@ -202,7 +194,7 @@ class PolicyCli(LightningCLI):
                 # one file, last.ckpt, rewritten at the end of every epoch: the one Lightning's
                 # ``--ckpt_path last`` finds (not a second copy named by epoch and step)
                 ModelCheckpoint(
-                    dirpath=_checkpoint_dir(config),
+                    dirpath=checkpoint_dir(config),
                     filename="last",
                     enable_version_counter=False,
                     save_on_train_epoch_end=True,
@@ -275,90 +267,6 @@ def _resume_command() -> str:
         if not word.startswith("--ckpt_path="):
             kept.append(shlex.quote(word))
     return " ".join(["lit-grpo", *kept, "--ckpt_path", "last"])
-
-
-def _as_list(value) -> list:
-    return [] if value is None else list(value) if isinstance(value, list) else [value]
-
-
-def _checkpoint_dir(trainer_config) -> Path:
-    """Where the checkpoints go when the config names no ModelCheckpoint of its own."""
-    return Path(trainer_config.get("default_root_dir") or Path.cwd()) / "checkpoints"
-
-
-def _default_last_checkpoint(trainer_config) -> str | None:
-    """What ``--ckpt_path last`` resumes from when the checkpoints are the default ones:
-    as Lightning picks it, the newest ``last*.ckpt`` in their folder (``None`` if none)."""
-    callbacks = _as_list(trainer_config.get("callbacks"))
-    if trainer_config.get("enable_checkpointing") is False or any(
-        "ModelCheckpoint" in str(getattr(c, "class_path", c)) for c in callbacks
-    ):
-        return None  # Lightning picks among the configured callbacks' files
-    candidates = list(_checkpoint_dir(trainer_config).glob("last*.ckpt"))
-    return str(max(candidates, key=lambda p: p.stat().st_mtime)) if candidates else None
-
-
-def _is_checkpoint_file(path) -> bool:
-    """Whether ``--ckpt_path`` names a local file (not ``last``/``best``/``hpc``, a URL,
-    a model registry, or a sharded checkpoint's folder)."""
-    return (
-        bool(path)
-        and path not in ("last", "best", "hpc")
-        and not str(path).startswith("registry")
-        and "://" not in str(path)
-        and not Path(path).is_dir()
-    )
-
-
-def report_failure(error: Exception) -> int:
-    """Print how ``error`` ended the run, with ``lit-grpo: <message>`` as the last line; return the exit code."""
-    message = _message_for_user(error)
-    if message is None or os.environ.get("LIT_GRPO_DEBUG"):
-        traceback.print_exception(error)
-    elif _raised_outside(error.__cause__):  # the user's own code failed (a reward, an environment): show where
-        traceback.print_exception(error.__cause__)
-    if message is None:
-        frames = traceback.extract_tb(error.__traceback__)
-        where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
-        first_line = (str(error).strip().splitlines() or [""])[0][:200]
-        sys.stderr.write(
-            f"lit-grpo: unexpected {type(error).__name__}{where}: {first_line} (the traceback "
-            "above has the rest; if your config and data look right, please report it)\n"
-        )
-        return 1
-    sys.stderr.write(f"lit-grpo: {' '.join(message.split())}\n")
-    return USER_ERROR_EXIT
-
-
-def _raised_outside(error: BaseException | None) -> bool:
-    """Whether ``error`` was raised in code that is neither lit_grpo's nor a library's (a user's reward, tool
-    or environment)."""
-    frames = traceback.extract_tb(error.__traceback__) if error is not None else []
-    return (
-        bool(frames)
-        and not Path(frames[-1].filename).is_relative_to(_PACKAGE)
-        and "site-packages" not in frames[-1].filename
-    )
-
-
-def _message_for_user(error: BaseException | None) -> str | None:
-    """The message in ``error``, or in the error it wraps, that was written for the user, if any.
-
-    Written for the user: raised by a ``raise`` statement of lit_grpo (an
-    exception raised there implicitly is a bug), or the operating system
-    refusing a file. Libraries wrap such errors (jsonargparse around a
-    constructor's check), so the causes are searched too.
-    """
-    while error is not None:
-        frames = traceback.extract_tb(error.__traceback__)
-        raised_at = frames[-1] if frames else None
-        ours = raised_at is not None and Path(raised_at.filename).is_relative_to(_PACKAGE)
-        if ours and (raised_at.line or "").startswith("raise"):
-            return str(error)
-        if isinstance(error, OSError) and error.errno in _ENVIRONMENT_ERRNOS:
-            return f"{error.strerror}: {error.filename}" if error.filename else str(error)
-        error = error.__cause__
-    return None
 
 
 COMMANDS = {

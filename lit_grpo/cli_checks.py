@@ -145,3 +145,36 @@ def check_writable(field: str, path) -> None:
             f"{field}={str(path)!r} is not writable: no file can be created in {existing} "
             f"({error.strerror}); pick a folder you can write to."
         ) from error
+
+
+def checkpoint_dir(trainer_config) -> Path:
+    """Where the checkpoints go when the config names no ModelCheckpoint of its own."""
+    return Path(trainer_config.get("default_root_dir") or Path.cwd()) / "checkpoints"
+
+
+def default_last_checkpoint(trainer_config) -> str | None:
+    """What ``--ckpt_path last`` resumes from when the checkpoints are the default ones:
+    as Lightning picks it, the newest ``last*.ckpt`` in their folder (``None`` if none)."""
+    callbacks = as_list(trainer_config.get("callbacks"))
+    if trainer_config.get("enable_checkpointing") is False or any(
+        "ModelCheckpoint" in str(getattr(c, "class_path", c)) for c in callbacks
+    ):
+        return None  # Lightning picks among the configured callbacks' files
+    candidates = list(checkpoint_dir(trainer_config).glob("last*.ckpt"))
+    return str(max(candidates, key=lambda p: p.stat().st_mtime)) if candidates else None
+
+
+def is_checkpoint_file(path) -> bool:
+    """Whether ``--ckpt_path`` names a local file (not ``last``/``best``/``hpc``, a URL,
+    a model registry, or a sharded checkpoint's folder)."""
+    return (
+        bool(path)
+        and path not in ("last", "best", "hpc")
+        and not str(path).startswith("registry")
+        and "://" not in str(path)
+        and not Path(path).is_dir()
+    )
+
+
+def as_list(value) -> list:
+    return [] if value is None else list(value) if isinstance(value, list) else [value]

@@ -594,7 +594,7 @@ def test_cli_disk_full_during_a_checkpoint_write(fit, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("debug", [False, True])
 def test_user_error_is_one_line_unless_debugging(capsys, monkeypatch, debug):
-    from lit_grpo.cli import report_failure
+    from lit_grpo.cli_errors import report_failure
 
     if debug:
         monkeypatch.setenv("LIT_GRPO_DEBUG", "1")
@@ -609,7 +609,7 @@ def test_user_error_is_one_line_unless_debugging(capsys, monkeypatch, debug):
 
 
 def test_unexpected_error_keeps_its_traceback(capsys):
-    from lit_grpo.cli import report_failure
+    from lit_grpo.cli_errors import report_failure
 
     try:
         1 / 0

@@ -97,7 +97,7 @@ def test_a_fit_logs_throughput_and_mfu_below_the_measured_peak(tmp_path, tiny_mo
     metrics = fit.callback_metrics
     assert metrics["perf/tokens_per_s"] > 0
     assert 0 < metrics["perf/mfu"] < 1 and 0 < metrics["perf/rollout_mfu"] < 1
-    assert metrics["perf/rollout_roofline"] > 0  # a tiny model's weights sit in cache: no upper bound here
+    assert metrics["perf/rollout_roofline"] >= metrics["perf/rollout_mfu"]  # the FLOPs bound is one of two
 
 
 def test_a_decode_reads_every_weight_per_step_and_the_cache_per_pair(tiny_model_dir):
@@ -112,13 +112,17 @@ def test_a_decode_reads_every_weight_per_step_and_the_cache_per_pair(tiny_model_
     assert completion_pairs(torch.tensor([[0, 1, 1]]), torch.tensor([[1, 1, 1, 0]])) == 3 * 2 + 6
 
 
-def test_the_roofline_is_the_bytes_over_the_bandwidth_over_the_rollout_seconds():
-    costs = FlopModel(base_linear=0, adapter_linear=0, trained_linear=0, attention=0, weight_bytes=1000, kv_bytes=10)
+@pytest.mark.parametrize("linear, bound", [(1, "bytes"), (1000, "flops")])
+def test_the_roofline_is_the_larger_of_bytes_over_bandwidth_and_flops_over_peak(linear, bound):
+    costs = FlopModel(
+        base_linear=linear, adapter_linear=0, trained_linear=0, attention=0, weight_bytes=1000, kv_bytes=10
+    )
     meter = EpochThroughput(costs, peak=1e4, bandwidth=1e4)
-    counts = {"tokens": 0, "pairs": 0, "decode_pairs": 50.0, "decode_steps": 4.0, "generated": 8, "kept": 4}
+    counts = {"tokens": 6, "pairs": 0, "decode_pairs": 50.0, "decode_steps": 4.0, "generated": 8, "kept": 4}
     meter.rollout({**counts, "reference": 0, "old": 0})
-    # dynamic sampling sampled twice the kept tokens: their cache reads count twice, the steps as they ran
-    assert meter.metrics({"generate": 2.0})["perf/rollout_roofline"] == pytest.approx((4 * 1000 + 100 * 10) / 1e4 / 2)
+    # dynamic sampling sampled twice the kept tokens: their FLOPs and cache reads count twice, the steps as they ran
+    seconds = {"bytes": (4 * 1000 + 100 * 10) / 1e4, "flops": 2 * 2 * linear * 6 / 1e4}[bound]
+    assert meter.metrics({"generate": 2.0})["perf/rollout_roofline"] == pytest.approx(seconds / 2)
     assert "perf/rollout_roofline" not in EpochThroughput(costs, peak=1e4).metrics({"generate": 2.0})
 
 

@@ -1,19 +1,32 @@
-"""Prompts answered greedily, as validation answers them.
+"""Prompts answered greedily and scored: what every held-out figure of an on-policy run is made of.
 
-:func:`answer_rows` answers prompt rows greedily, exactly as validation does
-(the module's ``answer``, the DataModule's ``collate_val`` and
-``score_validation``). :class:`BeforeAfterAnswers` calls it at the start and
-the end of fit, when the Trainer has loaded the policy and the prompts, to show
-the same prompts answered before and after training side by side.
-:func:`greedy_accuracy` scores a whole held-out set with every rank sharing
-the work (the accuracy before training, and the benchmarks' evaluations).
+:func:`answer_batch` is the one loop body: greedy answers (episodes too) to a
+collated validation batch, scored by the DataModule's validation reward. The
+validation step, :func:`greedy_accuracy` (a whole held-out set with every rank
+sharing the work: the figures before and after training), ``lit-grpo eval``
+and :func:`answer_rows` all call it. :class:`BeforeAfterAnswers` calls
+:func:`answer_rows` at the start and the end of fit, when the Trainer has
+loaded the policy and the prompts, to show the same prompts answered before
+and after training side by side.
 """
 
 from __future__ import annotations
 
 import lightning as L
 import torch
+from torch import Tensor
 from torchmetrics import MeanMetric
+
+from lit_grpo.generation.rollout import Rollout
+
+
+def answer_batch(module: L.LightningModule, datamodule: L.LightningDataModule, batch: dict) -> tuple[Rollout, Tensor]:
+    """Greedy answers to a batch of ``datamodule.collate_val`` (greedy episodes where it has them) and
+    their validation scores ``[B]``."""
+    answers = module.engine.generate(
+        batch["prompt_ids"], batch["prompt_mask"], datamodule.sampling, greedy=True, episodes=batch.get("episodes")
+    )
+    return answers, datamodule.score_validation(batch["rows"], answers.texts, batch.get("environments"))
 
 
 def answer_rows(
@@ -24,15 +37,13 @@ def answer_rows(
 
     The module must be attached to a Trainer (inside or after ``fit``/``validate``).
     """
-    batch = datamodule.collate_val(rows)
     was_training = module.training
     module.eval()
     try:
-        answers = module.answer(batch["prompt_ids"], batch["prompt_mask"], batch.get("episodes"))
+        answers, scores = answer_batch(module, datamodule, datamodule.collate_val(rows))
     finally:
         module.train(was_training)
-    scores = datamodule.score_validation(batch["rows"], answers, batch.get("environments"))
-    return datamodule.full_completions(answers), scores.tolist()
+    return datamodule.full_completions(answers.texts), scores.tolist()
 
 
 def greedy_accuracy(
@@ -54,8 +65,7 @@ def greedy_accuracy(
     size = datamodule.hparams.val_batch_size
     for start in range(0, share, size):
         batch = datamodule.collate_val(mine[start : start + size])
-        completions = module.answer(batch["prompt_ids"], batch["prompt_mask"], batch.get("episodes"))
-        scores = datamodule.score_validation(batch["rows"], completions, batch.get("environments"))
+        _, scores = answer_batch(module, datamodule, batch)
         metric.update(scores.to(module.device), torch.tensor(weights[start : start + size], device=module.device))
         if progress is not None:
             progress.update(len(batch["rows"]) * world)  # every rank answers as many (padding included)

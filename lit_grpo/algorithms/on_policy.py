@@ -22,7 +22,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torchmetrics import MeanMetric
 from tqdm.auto import tqdm
 
-from lit_grpo.algorithms.answers import greedy_accuracy
+from lit_grpo.algorithms.answers import answer_batch, greedy_accuracy
 from lit_grpo.algorithms.base import PolicyModule
 from lit_grpo.evaluation.samples import append_samples
 from lit_grpo.generation import Engine, GenerationSpec, build_engine
@@ -244,8 +244,7 @@ class OnPolicyModule(PolicyModule):
 
     # ------------------------------------------------------------- validation
     def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
-        completions = self.answer(batch["prompt_ids"], batch["prompt_mask"], batch.get("episodes"))
-        scores = self.trainer.datamodule.score_validation(batch["rows"], completions, batch.get("environments"))
+        answers, scores = answer_batch(self, self.trainer.datamodule, batch)
         metric = self.val_accuracy[dataloader_idx]
         metric.update(scores.to(self.device))
         name = list(self.trainer.datamodule.val_sets())[dataloader_idx]
@@ -255,14 +254,7 @@ class OnPolicyModule(PolicyModule):
             on_step=False,
             on_epoch=True,
             prog_bar=True,
-            batch_size=len(completions),
+            batch_size=len(answers.texts),
             add_dataloader_idx=False,
             metric_attribute=f"val_accuracy.{dataloader_idx}",
         )
-
-    def answer(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, episodes=None) -> list[str]:
-        """Greedy completions of left-padded prompts (what validation scores); with ``episodes``
-        (an :class:`~lit_grpo.generation.episodes.EpisodePlan`) greedy episodes' final answers."""
-        return self.engine.generate(
-            prompt_ids, prompt_mask, self.trainer.datamodule.sampling, greedy=True, episodes=episodes
-        ).texts

@@ -24,9 +24,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from lit_grpo.data.batches import ResumableBatches
-from lit_grpo.data.curriculum import Curriculum, Stage
+from lit_grpo.data.curriculum import Curriculum, Stage, curriculum_rows
 from lit_grpo.data.prompts import chat_prompts
-from lit_grpo.data.sources import curriculum_rows, load_rows, rename_columns, split_rows
+from lit_grpo.data.sources import load_rows, rename_columns, split_rows
 from lit_grpo.generation.rollout import encode_prompts
 
 _PAIR_COLUMNS = ("prompt", "chosen", "rejected")

@@ -38,6 +38,7 @@ import torch
 from lightning.pytorch.cli import LightningCLI
 from tqdm.auto import tqdm
 
+from lit_grpo.algorithms.answers import answer_batch
 from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.cli_checks import OneLineErrorParser
 from lit_grpo.data.grpo import OnPolicyDataModule
@@ -172,10 +173,8 @@ def evaluate(
         torch.manual_seed(datamodule.hparams.seed)
         for start in range(0, len(rows), size):
             batch = datamodule.collate_val(rows[start : start + size])
-            answers = module.engine.generate(
-                batch["prompt_ids"], batch["prompt_mask"], sampling, greedy=True, episodes=batch.get("episodes")
-            )
-            scores = datamodule.score_validation(batch["rows"], answers.texts, batch.get("environments")).tolist()
+            answers, scores = answer_batch(module, datamodule, batch)
+            scores = scores.tolist()
             greedy += scores
             records += answers.episodes or []
             rewards = environment_rewards(batch["environments"]) if scored else []

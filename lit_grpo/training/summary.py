@@ -29,21 +29,30 @@ def run_summary(trainer: L.Trainer, module, seconds: float, adapter: str | None)
     logger = csv_logger(trainer)
     if logger is not None:
         folder = Path(logger.log_dir)
-        lines.append(f"  metrics: {folder / 'metrics.csv'} (curves: lit-grpo plot {folder})")
+        lines.append(f"  metrics: {_here(folder / 'metrics.csv')} (curves: lit-grpo plot {_here(folder)})")
     elif trainer.logger is not None:
-        lines.append(f"  logs: {trainer.log_dir}")
+        lines.append(f"  logs: {_here(trainer.log_dir)}")
     if adapter:
-        lines.append(f"  adapter: {adapter}")
+        lines.append(f"  adapter: {_here(adapter)}")
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint):
             if callback.best_model_path and callback.monitor:
-                lines.append(f"  best checkpoint ({callback.monitor}): {callback.best_model_path}")
+                lines.append(f"  best checkpoint ({callback.monitor}): {_here(callback.best_model_path)}")
             # without a monitor the one kept is the newest (the command's default: last.ckpt)
             last = callback.last_model_path or (callback.best_model_path if not callback.monitor else "")
             if last:
-                lines.append(f"  last checkpoint: {last}")
+                lines.append(f"  last checkpoint: {_here(last)}")
     return "\n".join(lines)
 
 
 def _figure(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
+
+
+def _here(path) -> str:
+    """``path`` relative to the working directory where it lies below it (as the user typed it), else whole."""
+    path = Path(path)
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)

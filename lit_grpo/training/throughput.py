@@ -20,11 +20,14 @@ checkpointing is not counted):
 Generation is counted as the forward of the prompts and of every sampled
 token (a KV cache's work); its decode steps are few-row matmuls, bound by
 memory bandwidth rather than by the matmul peak, so ``perf/rollout_mfu`` is
-low by nature on every device. ``perf/rollout_roofline`` measures the decode
-against the bound that does hold: the bytes it must read (every weight once
-per decode step, and the cached keys and values each new token attends to)
-over the device's measured read bandwidth, divided by the rollout's seconds.
-1.0 is a decode that does nothing but stream its weights and cache.
+low by nature on a GPU. ``perf/rollout_roofline`` measures the rollout against
+the roofline: the least time it could take, the larger of the bytes it must
+read (every weight once per decode step, and the cached keys and values each
+new token attends to) over the device's measured read bandwidth and its FLOPs
+over the peak, divided by the seconds it took. 1.0 is a rollout at the
+roofline; which bound binds depends on the rows per decode step and the device
+(a GPU decoding a few dozen rows is bound by bandwidth, one CPU core by its
+matmul rate).
 """
 
 from __future__ import annotations
@@ -193,6 +196,7 @@ class EpochThroughput:
             "perf/mfu": self.training_flops / training / self.peak if training > 0 else 0.0,
             "perf/rollout_mfu": self.generation_flops / generate / self.peak if generate > 0 else 0.0,
         }
-        if self.bandwidth > 0 and generate > 0:  # the share of the time the decode's memory reads need at most
-            metrics["perf/rollout_roofline"] = self.decode_bytes / self.bandwidth / generate
+        if self.bandwidth > 0 and generate > 0:  # the least time its reads or its FLOPs need, over the time taken
+            bound = max(self.decode_bytes / self.bandwidth, self.generation_flops / self.peak)
+            metrics["perf/rollout_roofline"] = bound / generate
         return metrics
