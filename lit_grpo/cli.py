@@ -22,9 +22,10 @@ import shlex
 import sys
 import time
 import warnings
+from importlib.util import find_spec
 
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.io import CheckpointIO
@@ -202,6 +203,8 @@ class PolicyCli(LightningCLI):
             ]
         if not any(isinstance(c, PreemptionCheckpoint) for c in callbacks):
             callbacks = [*callbacks, PreemptionCheckpoint(announce=False, resume_hint=_resume_command())]
+        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+            callbacks = [*callbacks, RunProgressBar() if find_spec("rich") else TQDMProgressBar()]
         kwargs["callbacks"] = callbacks
         trainer = super().instantiate_trainer(**kwargs)
         set_collective_timeout(trainer.strategy, self._get(self.config, "collective_timeout"))
@@ -229,6 +232,16 @@ class PolicyCli(LightningCLI):
             self.model.export_adapter(path)
         if self.trainer.is_global_zero:
             print(run_summary(self.trainer, self.model, time.perf_counter() - self.started, path))
+
+
+class RunProgressBar(RichProgressBar):
+    """Lightning's rich progress bar without ``v_num``, which it prints as a float (``v_num: 0.000``);
+    the run's folder is in the summary at the end."""
+
+    def get_metrics(self, trainer, pl_module) -> dict:
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        return metrics
 
 
 class GRPOCli(PolicyCli):

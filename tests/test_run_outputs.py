@@ -56,7 +56,7 @@ def test_summary_after_a_final_validation(tmp_path, tiny_model_dir, capsys):
     assert [line for line in lines if line.startswith("epoch 2:")][0].count("val/accuracy") == 0
     assert [line for line in lines if line.startswith("epoch 1:")][0].count("val/accuracy") == 1
     summary = lines[lines.index(next(line for line in lines if line.startswith("finished:"))) :]
-    assert summary[0].startswith("finished: 3 epochs, 3 optimizer steps in ")
+    assert summary[0].startswith("finished: 3 epochs, 3 optimizer steps (this command: ")
     assert summary[1].startswith("  val/accuracy: ") and " before -> " in summary[1] and summary[1].endswith(" after")
     run = tmp_path / "lightning_logs" / "version_0"
     assert summary[2] == f"  metrics: {run / 'metrics.csv'} (curves: lit-grpo plot {run})"

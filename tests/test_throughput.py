@@ -124,6 +124,8 @@ def test_the_roofline_is_the_larger_of_bytes_over_bandwidth_and_flops_over_peak(
     seconds = {"bytes": (4 * 1000 + 100 * 10) / 1e4, "flops": 2 * 2 * linear * 6 / 1e4}[bound]
     assert meter.metrics({"generate": 2.0})["perf/rollout_roofline"] == pytest.approx(seconds / 2)
     assert "perf/rollout_roofline" not in EpochThroughput(costs, peak=1e4).metrics({"generate": 2.0})
+    # logged by every rank alike (it is reduced): also by one that generated nothing
+    assert EpochThroughput(costs, peak=1e4, bandwidth=1e4).metrics({})["perf/rollout_roofline"] == 0.0
 
 
 def test_the_bandwidth_probe_measures_and_caches(tmp_path):

@@ -34,7 +34,7 @@ from lit_grpo.training.strategies import check_strategy
 
 if TYPE_CHECKING:
     from lit_grpo.generation import Engine
-from lit_grpo.training.preemption import PreemptionCheckpoint
+from lit_grpo.training.preemption import PreemptionCheckpoint, stop_requested
 
 # Lightning 2.6 on torch >= 2.10 warns from its own pytree helper (``isinstance(treespec, LeafSpec)`` is
 # deprecated) at every epoch: its code, not a run's, so the message is dropped where it comes from.
@@ -237,9 +237,11 @@ class PolicyModule(L.LightningModule):
 
     def on_train_start(self) -> None:
         self.validated_step: int | None = None  # the global step of this fit's latest validation
-        if self.resumed_metrics:  # this run's metrics.csv starts with the resumed run's
+        resumed = self.trainer.ckpt_path is not None
+        if resumed and self.resumed_metrics:  # this run's metrics.csv starts with the resumed run's
             history.carry_over(self.resumed_metrics, self.trainer)
-        if self.global_step == 0 and self.validates_before_training:
+        self.resumed_metrics = None
+        if self.global_step == 0 and self.validates_before_training and not (resumed and self.initial_metrics):
             self.initial_metrics = self.held_out_metrics()
             self._report("before training", self.initial_metrics, step=0)
 
@@ -256,7 +258,7 @@ class PolicyModule(L.LightningModule):
         trainer = self.trainer
         if self.validated_step == self.global_step:
             self.final_metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
-        elif trainer.limit_val_batches != 0:
+        elif trainer.limit_val_batches != 0 and stop_requested() is None:  # not while a SIGTERM waits
             self.final_metrics = self.held_out_metrics()
             epoch = trainer.fit_loop.epoch_progress.current.started - 1  # the last epoch that ran
             self._report("after training", self.final_metrics, step=self.global_step, epoch=epoch)

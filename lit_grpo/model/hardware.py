@@ -116,6 +116,9 @@ def measure_bandwidth(device: torch.device | str = "cpu", seconds: float = 0.3) 
             if elapsed >= seconds:
                 break
         best = max(best, BANDWIDTH_PROBE_BYTES * count / elapsed)
+    del x
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # not held back from a colocated vLLM that sizes its memory next
     return best
 
 

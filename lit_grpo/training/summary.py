@@ -18,11 +18,14 @@ def run_summary(trainer: L.Trainer, module, seconds: float, adapter: str | None)
         trainer: The trainer that ran the fit.
         module: The trained module; its ``initial_metrics`` and ``final_metrics`` are the held-out
             figures before the first step (a resumed run's come from its checkpoint) and after the last.
-        seconds: The whole command's wall-clock time.
+        seconds: This command's wall-clock time (a resumed run's epochs and steps count from the start).
         adapter: Where the adapter was exported, if it was.
     """
     epochs = trainer.fit_loop.epoch_progress.current.completed
-    lines = [f"finished: {epochs} epochs, {trainer.global_step} optimizer steps in {seconds / 60:.1f} min"]
+    steps = trainer.global_step
+    lines = [
+        f"finished: {_count(epochs, 'epoch')}, {_count(steps, 'optimizer step')} (this command: {seconds / 60:.1f} min)"
+    ]
     before, after = module.printed(module.initial_metrics), module.printed(module.final_metrics)
     for name in dict.fromkeys([*before, *after]):
         lines.append(f"  {name}: {_figure(before.get(name))} before -> {_figure(after.get(name))} after")
@@ -30,8 +33,10 @@ def run_summary(trainer: L.Trainer, module, seconds: float, adapter: str | None)
     if logger is not None:
         folder = Path(logger.log_dir)
         lines.append(f"  metrics: {_here(folder / 'metrics.csv')} (curves: lit-grpo plot {_here(folder)})")
-    elif trainer.logger is not None:
-        lines.append(f"  logs: {_here(trainer.log_dir)}")
+    else:  # not trainer.log_dir: a broadcast, and this runs on rank 0 alone
+        folder = getattr(trainer.logger, "log_dir", None) or getattr(trainer.logger, "save_dir", None)
+        if folder:
+            lines.append(f"  logs: {_here(folder)}")
     if adapter:
         lines.append(f"  adapter: {_here(adapter)}")
     for callback in trainer.checkpoint_callbacks:
@@ -56,3 +61,7 @@ def _here(path) -> str:
         return str(path.resolve().relative_to(Path.cwd().resolve()))
     except ValueError:
         return str(path)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"

@@ -161,8 +161,9 @@ class EpochThroughput:
 
         Args:
             counts: :attr:`~lit_grpo.rollout.producer.ScoredRollout.counts`: the rows'
-                ``tokens`` and ``pairs`` (:func:`rollout_tokens`), the ``generated``
-                and ``kept`` tokens, and which passes ran (``reference``, ``old``).
+                ``tokens`` and ``pairs`` (:func:`rollout_tokens`), the completions'
+                ``decode_pairs`` (:func:`completion_pairs`) and the ``decode_steps`` run,
+                the ``generated`` and ``kept`` tokens, and which passes ran (``reference``, ``old``).
         """
         tokens, pairs = counts["tokens"], counts["pairs"]
         passes = [False] * bool(counts["reference"]) + [True] * bool(counts["old"])  # adapter off / on
@@ -171,7 +172,10 @@ class EpochThroughput:
         # Dynamic sampling's dropped groups were sampled too: the kept rows' cost, scaled to all tokens sampled.
         scale = generated / kept if kept and generated else 1.0
         self.generation_flops += scale * self.costs.forward(tokens, pairs)
-        self.decode_bytes += self.costs.decode_bytes(counts["decode_steps"], scale * counts["decode_pairs"])
+        # (a rollout restored from a checkpoint of an earlier version has no decode counts)
+        self.decode_bytes += self.costs.decode_bytes(
+            counts.get("decode_steps", 0.0), scale * counts.get("decode_pairs", 0.0)
+        )
 
     def step(self, rows: dict[str, Tensor]) -> None:
         """Count one micro-batch's training pass (forward and backward) over ``rows``."""
@@ -196,7 +200,7 @@ class EpochThroughput:
             "perf/mfu": self.training_flops / training / self.peak if training > 0 else 0.0,
             "perf/rollout_mfu": self.generation_flops / generate / self.peak if generate > 0 else 0.0,
         }
-        if self.bandwidth > 0 and generate > 0:  # the least time its reads or its FLOPs need, over the time taken
+        if self.bandwidth > 0:  # the same keys on every rank (they are reduced): the bandwidth is broadcast
             bound = max(self.decode_bytes / self.bandwidth, self.generation_flops / self.peak)
-            metrics["perf/rollout_roofline"] = bound / generate
+            metrics["perf/rollout_roofline"] = bound / generate if generate > 0 else 0.0
         return metrics
