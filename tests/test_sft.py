@@ -215,3 +215,16 @@ def test_training_runs_in_train_mode_also_when_resumed(tmp_path, tiny_model_dir)
         fit = trainer(max_steps=steps, callbacks=[modes], enable_checkpointing=True, default_root_dir=tmp_path)
         fit.fit(module, data, ckpt_path=str(next(tmp_path.rglob("*.ckpt"))) if resume else None)
     assert modes.eval_modules == [[], []]
+
+
+def test_before_after_answers_is_refused_by_name_outside_an_on_policy_run(tiny_model_dir):
+    from lit_grpo.algorithms.answers import BeforeAfterAnswers
+
+    module = SFTModule(policy=PolicySpec(name_or_path=tiny_model_dir, lora=LoraSpec(r=4)), progress=False)
+    data = SFTDataModule(train_size=4, val_size=2, batch_size=2)
+    with pytest.raises(
+        ValueError,
+        match=r"BeforeAfterAnswers answers the held-out prompts of an on-policy run .* "
+        r"not SFTModule with SFTDataModule; leave the callback out",
+    ):
+        trainer(max_epochs=1, callbacks=[BeforeAfterAnswers()]).fit(module, data)

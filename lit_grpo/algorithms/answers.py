@@ -91,6 +91,14 @@ class BeforeAfterAnswers(L.Callback):
         self.before: tuple[list[str], list[float]] = ([], [])
         self.after: tuple[list[str], list[float]] = ([], [])
 
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if not hasattr(trainer.datamodule, "collate_val") or not hasattr(pl_module, "engine"):
+            raise ValueError(
+                f"BeforeAfterAnswers answers the held-out prompts of an on-policy run (GRPOModule or PPOModule "
+                f"with OnPolicyDataModule), not {type(pl_module).__name__} with "
+                f"{type(trainer.datamodule).__name__}; leave the callback out of this run."
+            )
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.rows = trainer.datamodule.val_rows[: self.count]
         self.before = answer_rows(pl_module, trainer.datamodule, self.rows)
