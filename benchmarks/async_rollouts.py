@@ -9,7 +9,8 @@ per epoch after the first (which has nothing to overlap with):
 * ``gen s``: seconds the sampler spent generating;
 * ``train s``: seconds of the training thread's own work (scoring passes,
   rewards, forward, backward, optimizer);
-* ``wait s``: seconds the training thread waited for generation (in line: all of it);
+* ``wait s``: seconds the training thread waited for generation (in line: all of it; ahead: the
+  round sampled ahead, plus dynamic sampling's further rounds, sampled in line);
 * ``sampler idle s``: seconds the sampler waited for the weights it samples with;
 * ``tokens/s``: generated tokens over the step's wall time.
 

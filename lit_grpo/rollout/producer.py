@@ -215,6 +215,9 @@ class RolloutProducer:
         if first is not None:
             result.stats.update(stats or {})
             result.stats["rollout/staleness"] = float(policy.policy_version - version)
+            # the rounds sampled in line (dynamic sampling's further ones) kept the trainer waiting too
+            in_line = timings["generate"] - first[1].seconds
+            result.stats["time/rollout_wait"] = result.stats.get("time/rollout_wait", 0.0) + in_line
         return result
 
     def prepare(self, prompts: list[dict]) -> Request:
