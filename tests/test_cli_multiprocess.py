@@ -128,7 +128,7 @@ def assert_outputs(root: Path, output: str, metrics: tuple[str, ...] = METRICS) 
     lora_b = [t for name, t in adapter.items() if "lora_B" in name]
     # Full (gathered) shapes, and trained: lora_B starts at zero.
     assert lora_b and all(t.shape[1] == 16 for t in lora_b) and any(t.abs().max() > 0 for t in lora_b)
-    assert "epoch 1:" in output and "adapter written to" in output
+    assert "epoch 1:" in output and "\n  adapter: " in output
 
 
 def test_ddp_cli_run_as_users_type_it(tiny_model_dir, tmp_path):
@@ -245,7 +245,7 @@ def test_ppo_under_fsdp2_keeps_ranks_equal_and_resumes_from_its_sharded_checkpoi
     run_dir = next((first / "lightning_logs").iterdir())
     rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
     assert {row["epoch"] for row in rows if row.get("train/value_loss")} >= {"0", "1"}
-    assert "adapter written to" in output
+    assert "\n  adapter: " in output
     assert list((first / "checkpoints" / "last.ckpt").glob("*.distcp"))  # sharded, as FSDP2 saves
     ranks = [torch.load(first / f"end-rank{r}.pt") for r in (0, 1)]
     assert "value_head.weight" in ranks[0]
@@ -486,7 +486,7 @@ def test_sigterm_to_rank_0_stops_both_ranks_at_one_step_with_a_checkpoint_that_r
     assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 1
     code, output = run("--ckpt_path", "last")
     assert code == 0, output[-6000:]
-    assert "epoch 1:" in output and "adapter written to" in output
+    assert "epoch 1:" in output and "\n  adapter: " in output
 
 
 def test_ddp_samples_one_rollout_ahead_with_data_staleness_1(tiny_model_dir, tmp_path):
