@@ -25,7 +25,7 @@ import warnings
 from importlib.util import find_spec
 
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.io import CheckpointIO
@@ -57,7 +57,7 @@ from lit_grpo.training.multiprocess import (
     set_signal_grace,
 )
 from lit_grpo.training.preemption import Preempted, PreemptionCheckpoint
-from lit_grpo.training.summary import run_summary
+from lit_grpo.training.summary import RunProgressBar, run_summary
 
 # Lightning 2.6 logs an advertisement for its cloud logger at every Trainer start (logger_connector.py);
 # the commands leave it out of their output.
@@ -232,16 +232,6 @@ class PolicyCli(LightningCLI):
             self.model.export_adapter(path)
         if self.trainer.is_global_zero:
             print(run_summary(self.trainer, self.model, time.perf_counter() - self.started, path))
-
-
-class RunProgressBar(RichProgressBar):
-    """Lightning's rich progress bar without ``v_num``, which it prints as a float (``v_num: 0.000``);
-    the run's folder is in the summary at the end."""
-
-    def get_metrics(self, trainer, pl_module) -> dict:
-        metrics = super().get_metrics(trainer, pl_module)
-        metrics.pop("v_num", None)
-        return metrics
 
 
 class GRPOCli(PolicyCli):

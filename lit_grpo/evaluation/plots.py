@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
-from lightning.pytorch.loggers import CSVLogger
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from lit_grpo.cli_checks import check_writable, usage_error
+from lit_grpo.training.history import csv_logger
 
 BEFORE_TRAINING = -1  # the epoch at which values logged before the first epoch are drawn
 
@@ -211,7 +211,7 @@ class PlotCallback(L.Callback):
         self.written: list[Path] = []
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if stage == "fit" and _csv_logger(trainer) is None:
+        if stage == "fit" and csv_logger(trainer) is None:
             raise ValueError(
                 "PlotCallback reads the CSVLogger's metrics.csv, but trainer.logger is "
                 f"{trainer.logger!r}; set trainer.logger to lightning.pytorch.loggers.CSVLogger."
@@ -220,15 +220,11 @@ class PlotCallback(L.Callback):
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.is_global_zero:
             return
-        logger = _csv_logger(trainer)
+        logger = csv_logger(trainer)
         logger.save()
         path = Path(logger.log_dir) / "metrics.csv"
         if path.exists():
             self.written = plot_run(path, panels=self.panels, each=self.each)
-
-
-def _csv_logger(trainer: L.Trainer) -> CSVLogger | None:
-    return next((logger for logger in trainer.loggers if isinstance(logger, CSVLogger)), None)
 
 
 class _Parser(argparse.ArgumentParser):

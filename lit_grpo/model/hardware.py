@@ -160,19 +160,15 @@ def cpu_matmul_flops(cache_dir: str | None = None) -> dict[str, float]:
 
 @functools.cache
 def _cpu_matmul_flops(path: str, cpu: str, threads: int) -> tuple[tuple[str, float], ...]:
-    key = f"{cpu} | {threads} threads | torch {torch.__version__}"
-    file = Path(path)
-    try:
-        cached = json.loads(file.read_text()).get(key)
-    except (OSError, ValueError):
-        cached = None
-    if not cached:
-        cached = {
+    measured = _cached(
+        Path(path),
+        f"{cpu} | {threads} threads | torch {torch.__version__}",
+        lambda: {
             name: measure_matmul_flops(dtype)
             for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))
-        }
-        _store(file, key, cached)
-    return tuple(sorted(cached.items()))
+        },
+    )
+    return tuple(sorted(measured.items()))
 
 
 def peak_bandwidth(device: torch.device | str, cache_dir: str | None = None) -> float:
@@ -188,15 +184,19 @@ def peak_bandwidth(device: torch.device | str, cache_dir: str | None = None) -> 
 @functools.cache
 def _cpu_bandwidth(path: str, cpu: str, threads: int) -> float:
     key = f"{cpu} | {threads} threads | torch {torch.__version__} | read bytes/s"
-    file = Path(path)
+    return _cached(Path(path), key, lambda: {"bytes_per_s": measure_bandwidth()})["bytes_per_s"]
+
+
+def _cached(file: Path, key: str, measure) -> dict:
+    """``file``'s entry under ``key``, or ``measure()`` stored there first (a probe runs once per machine)."""
     try:
         cached = json.loads(file.read_text()).get(key)
     except (OSError, ValueError):
         cached = None
     if not cached:
-        cached = {"bytes_per_s": measure_bandwidth()}
+        cached = measure()
         _store(file, key, cached)
-    return cached["bytes_per_s"]
+    return cached
 
 
 @functools.cache

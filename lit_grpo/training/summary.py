@@ -1,14 +1,24 @@
-"""What a finished ``lit-grpo ... fit`` prints last: the held-out figures before and after, the minutes,
-and where the run's metrics, curves, adapter and checkpoints are."""
+"""What a ``lit-grpo ... fit`` shows: its progress bar, and what it prints last (the held-out figures
+before and after, the minutes, and where the run's metrics, curves, adapter and checkpoints are)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import lightning as L
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 
 from lit_grpo.training.history import csv_logger
+
+
+class RunProgressBar(RichProgressBar):
+    """Lightning's rich progress bar without ``v_num``, which it prints as a float (``v_num: 0.000``);
+    the run's folder is in the summary at the end."""
+
+    def get_metrics(self, trainer, pl_module) -> dict:
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        return metrics
 
 
 def run_summary(trainer: L.Trainer, module, seconds: float, adapter: str | None) -> str:
