@@ -10,7 +10,7 @@ the epoch that reaches it):
 * ``grpo``: ``lit-grpo fit --config configs/quickstart.yaml`` on two-digit
   sums at lr 1e-4 (``TWO_DIGIT``: the quickstart recipe of the time; 4 prompts
   x G=8, one step per epoch, beta=0.04 as a k3 KL in the loss);
-* ``rloo`` / ``reinforce_pp``: the same plus ``--data.advantage_estimator
+* ``rloo`` / ``reinforce_pp``: the same plus ``--data.advantage.estimator
   rloo`` / ``reinforce_pp`` (REINFORCE++ moves the beta=0.04 KL into its
   per-token rewards, as k1);
 * ``ppo_shared``: ``lit-grpo ppo fit --config configs/ppo_quickstart.yaml``
@@ -73,8 +73,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # a task mix, dynamic sampling and a decaying, higher learning rate): two-digit sums only, as PPO's
 # quickstart trains on.
 TWO_DIGIT = [
-    '--data.task_args={"digits": 2, "ops": "+"}',
-    "--data.val_slices=null",
+    '--data.source.task_args={"digits": 2, "ops": "+"}',
+    "--data.held_out.slices=null",
     "--data.dynamic_sampling=false",
     "--model.scheduler=null",
     "--model.optimizer.init_args.lr=1e-4",
@@ -88,12 +88,12 @@ ALGORITHMS: dict[str, tuple[str, str, str, list[str]]] = {
         "configs/ppo_quickstart.yaml",
         ["--model.critic.name_or_path", "{model}"],
     ),
-    "rloo": ("RLOO", "fit", "configs/quickstart.yaml", [*TWO_DIGIT, "--data.advantage_estimator", "rloo"]),
+    "rloo": ("RLOO", "fit", "configs/quickstart.yaml", [*TWO_DIGIT, "--data.advantage.estimator", "rloo"]),
     "reinforce_pp": (
         "REINFORCE++",
         "fit",
         "configs/quickstart.yaml",
-        [*TWO_DIGIT, "--data.advantage_estimator", "reinforce_pp"],
+        [*TWO_DIGIT, "--data.advantage.estimator", "reinforce_pp"],
     ),
 }
 COLLAPSE_ENTROPY, COLLAPSE_LENGTH, COLLAPSE_DROP = 0.05, 2.0, 0.25
@@ -178,7 +178,7 @@ def run_one(algorithm: str, seed: int, args: argparse.Namespace) -> dict:
         str(seed),
         "--model.policy.name_or_path",
         args.model_path,
-        "--data.val_size",
+        "--data.held_out.size",
         str(args.val_size),
         "--trainer.max_epochs",
         str(args.max_epochs),

@@ -38,6 +38,7 @@ import lightning as L
 
 from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.data.grpo import OnPolicyDataModule
+from lit_grpo.data.specs import HeldOutSpec, SourceSpec
 from lit_grpo.generation import GenerationSpec
 from lit_grpo.generation.rollout import SamplingSpec
 from lit_grpo.model.hardware import cpu_name
@@ -83,8 +84,10 @@ def run(staleness: int, epochs: int, seed: int, server: str | None) -> list[dict
         generation=generation,
     )
     data = OnPolicyDataModule(
-        task_args=[{"digits": 2, "ops": "+"}, {"digits": [2, 3], "ops": "+"}, {"digits": [3, 3], "ops": "+"}],
-        val_size=1,
+        source=SourceSpec(
+            task_args=[{"digits": 2, "ops": "+"}, {"digits": [2, 3], "ops": "+"}, {"digits": [3, 3], "ops": "+"}]
+        ),
+        held_out=HeldOutSpec(size=1),
         prompts_per_epoch=4,
         batch_size=32,
         dynamic_sampling=True,

@@ -35,6 +35,7 @@ import torch
 from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.data.grpo import OnPolicyDataModule
 from lit_grpo.data.prompts import chat_prompts
+from lit_grpo.data.specs import HeldOutSpec, PromptSpec, SourceSpec
 from lit_grpo.data.word_problems import word_problems
 from lit_grpo.generation import GenerationSpec
 from lit_grpo.generation.rollout import SamplingSpec, encode_prompts, eos_ids
@@ -151,11 +152,11 @@ def step_part(shapes: list[tuple[int, int, int]], vllm: bool, chosen: list[str])
                 log_samples=0,
             )
             data = OnPolicyDataModule(
-                source="word_problems",
-                system_prompt=SYSTEM,
+                source=SourceSpec("word_problems"),
+                prompt=PromptSpec(system_prompt=SYSTEM),
                 prompts_per_epoch=prompts,
                 batch_size=8,
-                val_size=1,
+                held_out=HeldOutSpec(size=1),
                 rewards=[Accuracy()],
                 sampling=SamplingSpec(group_size=group, max_new_tokens=new_tokens),
             )

@@ -137,6 +137,7 @@ def fit_one_step(module, prompts: int, group_size: int, new_tokens: int, gpu: bo
     import torch
 
     from lit_grpo.data.grpo import OnPolicyDataModule
+    from lit_grpo.data.specs import HeldOutSpec, SourceSpec
     from lit_grpo.generation.rollout import SamplingSpec
 
     class TimedRollouts(OnPolicyDataModule):
@@ -156,9 +157,8 @@ def fit_one_step(module, prompts: int, group_size: int, new_tokens: int, gpu: bo
     micro_batch = min(rows, MAX_MICRO_BATCH)
     sampling = SamplingSpec(group_size=group_size, temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True)
     data = TimedRollouts(
-        source="arithmetic",
-        train_size=64,
-        val_size=1,
+        source=SourceSpec("arithmetic", train_size=64),
+        held_out=HeldOutSpec(size=1),
         prompts_per_epoch=prompts,
         batch_size=micro_batch,
         sampling=sampling,

@@ -111,6 +111,7 @@ def run_one(name: str, checkpointing: bool) -> dict:
 
     from lit_grpo.algorithms.grpo import GRPOModule
     from lit_grpo.data.grpo import OnPolicyDataModule
+    from lit_grpo.data.specs import HeldOutSpec, SourceSpec
     from lit_grpo.generation.rollout import SamplingSpec
     from lit_grpo.model.policy import LoraSpec, PolicySpec
     from lit_grpo.rewards import Accuracy
@@ -128,8 +129,8 @@ def run_one(name: str, checkpointing: bool) -> dict:
     data = OnPolicyDataModule(
         prompts_per_epoch=4,
         batch_size=32,
-        val_size=1,
-        task_args={"digits": 2, "ops": "+"},
+        held_out=HeldOutSpec(size=1),
+        source=SourceSpec(task_args={"digits": 2, "ops": "+"}),
         sampling=SamplingSpec(group_size=8, temperature=0.8, max_new_tokens=24),
         rewards=[Accuracy()],
     )
@@ -166,15 +167,14 @@ LENGTH_ROWS = (("lit_grpo", False), ("lit_grpo", True), ("trl", True))  # (syste
 def _length_data(length: int, cls=None):
     """lit_grpo's DataModule for the length table: 1 prompt x G rows of exactly ``length`` tokens."""
     from lit_grpo.data.grpo import OnPolicyDataModule
+    from lit_grpo.data.specs import HeldOutSpec, SourceSpec
     from lit_grpo.generation.rollout import SamplingSpec
     from lit_grpo.rewards import Accuracy
 
     sampling = SamplingSpec(group_size=GROUP_SIZE, temperature=0.8, max_new_tokens=length, ignore_eos=True)
     return (cls or OnPolicyDataModule)(
-        source="arithmetic",
-        task_args={"digits": 2, "ops": "+"},
-        train_size=64,
-        val_size=1,
+        source=SourceSpec("arithmetic", task_args={"digits": 2, "ops": "+"}, train_size=64),
+        held_out=HeldOutSpec(size=1),
         prompts_per_epoch=1,
         batch_size=GROUP_SIZE,
         sampling=sampling,
@@ -256,8 +256,8 @@ def run_length_trl(model: str, length: int, steps: int) -> list[float]:
     texts = chat_prompts(
         AutoTokenizer.from_pretrained(path),
         [row["prompt"] for row in rows],
-        data.hparams.system_prompt,
-        data.hparams.prompt_template,
+        data.prompt.system_prompt,
+        data.prompt.template,
     )
     dataset = Dataset.from_list([{"prompt": text, "answer": row["answer"]} for text, row in zip(texts, rows)])
     seconds: list[float] = []

@@ -42,6 +42,7 @@ def run_one(name: str, rm: str) -> dict:
 
     from lit_grpo.algorithms.grpo import GRPOModule
     from lit_grpo.data.grpo import OnPolicyDataModule
+    from lit_grpo.data.specs import HeldOutSpec, SourceSpec
     from lit_grpo.generation.rollout import SamplingSpec
     from lit_grpo.model.policy import LoraSpec, PolicySpec
     from lit_grpo.rewards import Accuracy, RewardModel
@@ -56,8 +57,8 @@ def run_one(name: str, rm: str) -> dict:
     data = OnPolicyDataModule(
         prompts_per_epoch=4,
         batch_size=32,
-        val_size=1,
-        task_args={"digits": 2, "ops": "+"},
+        held_out=HeldOutSpec(size=1),
+        source=SourceSpec(task_args={"digits": 2, "ops": "+"}),
         sampling=SamplingSpec(group_size=8, temperature=0.8, max_new_tokens=24),
         rewards=rewards,
     )

@@ -97,6 +97,7 @@ class Settings:
 # ------------------------------------------------------------------ prompts
 def lit_datamodule(s: Settings, cls=None):
     from lit_grpo.data.grpo import OnPolicyDataModule
+    from lit_grpo.data.specs import HeldOutSpec, SourceSpec
     from lit_grpo.generation.rollout import SamplingSpec
     from lit_grpo.rewards import Accuracy
 
@@ -104,10 +105,8 @@ def lit_datamodule(s: Settings, cls=None):
         group_size=s.group_size, temperature=s.temperature, max_new_tokens=s.max_new_tokens, ignore_eos=s.fixed_length
     )
     return (cls or OnPolicyDataModule)(
-        source="arithmetic",
-        task_args={"digits": 2, "ops": "+"},
-        train_size=max(64, s.prompts * s.steps),
-        val_size=1,
+        source=SourceSpec("arithmetic", task_args={"digits": 2, "ops": "+"}, train_size=max(64, s.prompts * s.steps)),
+        held_out=HeldOutSpec(size=1),
         prompts_per_epoch=s.prompts,
         batch_size=s.rollout_size // s.micro_batches,
         sampling=sampling,
@@ -128,9 +127,7 @@ def trl_dataset(s: Settings):
     data.setup("fit")
     rows = data.next_prompts(s.prompts * s.steps)
     tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
-    texts = chat_prompts(
-        tokenizer, [row["prompt"] for row in rows], data.hparams.system_prompt, data.hparams.prompt_template
-    )
+    texts = chat_prompts(tokenizer, [row["prompt"] for row in rows], data.prompt.system_prompt, data.prompt.template)
     return Dataset.from_list([{"prompt": text, "answer": row["answer"]} for text, row in zip(texts, rows)])
 
 

@@ -112,7 +112,8 @@ class PolicyCli(LightningCLI):
         argv = sys.argv[1:] if args is None else args
         if isinstance(argv, list):
             check_yaml_files(argv)
-            check_moved_keys(argv)
+            if issubclass(self.datamodule_class, OnPolicyDataModule):  # its settings moved into groups
+                check_moved_keys(argv)
             argv = replaced_environments(argv)
         super().parse_arguments(parser, argv)
         self._check_strategy()

@@ -55,31 +55,60 @@ def replaced_environments(argv: list[str]) -> list[str]:
     return out
 
 
-# Keys of the data section that moved into a group: old -> new.
+# The groups OnPolicyDataModule's settings moved into: group -> {old key: its name in the group}.
+GROUPS = {
+    "episodes": {
+        name: name
+        for name in (
+            "tools",
+            "environment",
+            "max_turns",
+            "tool_timeout",
+            "max_episode_tokens",
+            "turn_prefix",
+            "environment_reward_weight",
+        )
+    },
+    "source": {"split": "split", "task_args": "task_args", "train_size": "train_size", "columns": "columns"},
+    "held_out": {
+        "val_split": "split",
+        "val_size": "size",
+        "val_slices": "slices",
+        "val_reward": "reward",
+        "val_batch_size": "batch_size",
+    },
+    "prompt": {
+        "system_prompt": "system_prompt",
+        "prompt_template": "template",
+        "completion_prefix": "completion_prefix",
+        "max_prompt_length": "max_length",
+        "prompt_overflow": "overflow",
+    },
+    "advantage": {
+        "advantage_estimator": "estimator",
+        "advantage_scale": "scale",
+        "multi_objective_aggregation": "multi_objective_aggregation",
+    },
+}
+_LABELS = {"episodes": "episode", "held_out": "held-out"}  # a group as its message names it
+# Keys of the data section that moved into a group: old -> (new, the group).
 MOVED_KEYS = {
-    f"data.{name}": f"data.episodes.{name}"
-    for name in (
-        "tools",
-        "environment",
-        "max_turns",
-        "tool_timeout",
-        "max_episode_tokens",
-        "turn_prefix",
-        "environment_reward_weight",
-    )
+    f"data.{old}": (f"data.{group}.{new}", group) for group, names in GROUPS.items() for old, new in names.items()
 }
 
 
 def check_moved_keys(argv: list[str]) -> None:
-    """Refuse a key of :data:`MOVED_KEYS`, on the command line or in a YAML file it names.
+    """Refuse an on-policy data key of the flat layout (:data:`MOVED_KEYS`, or ``data.source`` given
+    a dataset name), on the command line or in a YAML file it names.
 
     Raises:
         ValueError: Naming the old key and the new one.
     """
-    found = []
-    for token in argv:
+    found = []  # (key, value or None)
+    for i, token in enumerate(argv):
         if token.startswith("--"):
-            found.append(token[2:].split("=", 1)[0])
+            key, _, value = token[2:].partition("=")
+            found.append((key, value if "=" in token else (argv[i + 1] if i + 1 < len(argv) else None)))
         path = Path(token.split("=", 1)[1] if token.startswith("-") and "=" in token else token)
         if path.suffix in (".yaml", ".yml") and path.is_file():
             config = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -87,13 +116,19 @@ def check_moved_keys(argv: list[str]) -> None:
             for section in sections:
                 data = section.get("data") if isinstance(section, dict) else None
                 if isinstance(data, dict):
-                    found += [f"data.{key}" for key in data]
-    for key in found:
+                    found += [(f"data.{key}", value) for key, value in data.items()]
+    for key, value in found:
+        if key == "data.source" and isinstance(value, str) and not value.lstrip().startswith("{"):
+            raise ValueError(
+                f"data.source={value!r}: data.source is now a group (the dataset, its split, columns and "
+                f"task options); write data.source.dataset={value!r}."
+            )
         old = next((old for old in MOVED_KEYS if key == old or key.startswith(old + ".")), None)
         if old is not None:
+            new, group = MOVED_KEYS[old]
             raise ValueError(
-                f"{key} is now {MOVED_KEYS[old]}{key[len(old) :]} (the episode settings are one "
-                "group, data.episodes); move it there."
+                f"{key} is now {new}{key[len(old) :]} (the {_LABELS.get(group, group)} settings are one "
+                f"group, data.{group}); move it there."
             )
 
 

@@ -25,6 +25,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.data.grpo import OnPolicyDataModule
+from lit_grpo.data.specs import HeldOutSpec, SourceSpec
 from lit_grpo.generation.rollout import SamplingSpec
 from lit_grpo.model.policy import PolicySpec
 
@@ -84,9 +85,8 @@ def fit(args, run: str, max_epochs: int, ckpt_path: str | None = None) -> None:
     data = OnPolicyDataModule(
         prompts_per_epoch=2,
         batch_size=2,
-        val_size=2,
-        val_batch_size=1,
-        train_size=8,
+        held_out=HeldOutSpec(size=2, batch_size=1),
+        source=SourceSpec(train_size=8),
         sampling=SamplingSpec(group_size=4, max_new_tokens=3),
         rewards=[text_length],
     )

@@ -26,7 +26,8 @@ from test_eval import SecretScore
 from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.data.episodes import EpisodesSpec
 from lit_grpo.data.grpo import OnPolicyDataModule
-from lit_grpo.data.sources import load_rows
+from lit_grpo.data.sources import GROUPED, load_rows
+from lit_grpo.data.specs import HeldOutSpec, PromptSpec, SourceSpec
 from lit_grpo.generation import GenerationSpec
 from lit_grpo.generation.rollout import SamplingSpec
 from lit_grpo.model.policy import LoraSpec, PolicySpec, load_tokenizer
@@ -42,8 +43,8 @@ def module(tiny_model_dir):
 
 def data(**overrides) -> OnPolicyDataModule:
     settings = dict(
-        train_size=40,
-        val_size=4,
+        source=SourceSpec(train_size=40),
+        held_out=HeldOutSpec(size=4),
         prompts_per_epoch=2,
         batch_size=4,
         sampling=SamplingSpec(group_size=4, max_new_tokens=4),
@@ -75,49 +76,53 @@ def write_jsonl(path, rows) -> str:
 # --------------------------------------------------------------------- data
 def test_missing_prompt_column(tmp_path):
     source = write_jsonl(tmp_path / "d.jsonl", [{"question": "1+1?", "answer": "2"}] * 10)
-    with pytest.raises(ValueError, match=r"data.source=.*has no 'prompt' column; map one with data.columns"):
-        set_up(data(source=source, val_size=2))
+    with pytest.raises(
+        ValueError, match=r"data.source.dataset=.*has no 'prompt' column; map one with data.source.columns"
+    ):
+        set_up(data(source=SourceSpec(source), held_out=HeldOutSpec(size=2)))
 
 
 def test_missing_answer_column_for_accuracy(tmp_path):
     source = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1?"}] * 10)
-    with pytest.raises(ValueError, match=r"Reward 'accuracy' needs the dataset column\(s\) \['answer'\].*data.source"):
-        set_up(data(source=source, val_size=2))
+    with pytest.raises(
+        ValueError, match=r"Reward 'accuracy' needs the dataset column\(s\) \['answer'\].*data.source.dataset"
+    ):
+        set_up(data(source=SourceSpec(source), held_out=HeldOutSpec(size=2)))
 
 
 def test_column_map_names_a_missing_column(tmp_path):
     source = write_jsonl(tmp_path / "d.jsonl", [{"question": "1+1?", "answer": "2"}] * 10)
-    with pytest.raises(ValueError, match=r"data.columns maps 'prompt' to column 'query'.*available columns"):
-        set_up(data(source=source, val_size=2, columns={"prompt": "query"}))
+    with pytest.raises(ValueError, match=r"data.source.columns maps 'prompt' to column 'query'.*available columns"):
+        set_up(data(source=SourceSpec(dataset=source, columns={"prompt": "query"}), held_out=HeldOutSpec(size=2)))
 
 
 def test_empty_dataset_file(tmp_path):
     (tmp_path / "d.jsonl").write_text("")
-    with pytest.raises(ValueError, match=r"data.source=.*d.jsonl' is an empty file; expected a non-empty"):
-        set_up(data(source=str(tmp_path / "d.jsonl")))
+    with pytest.raises(ValueError, match=r"data.source.dataset=.*d.jsonl' is an empty file; expected a non-empty"):
+        set_up(data(source=SourceSpec(str(tmp_path / "d.jsonl"))))
 
 
 def test_dataset_without_rows(tmp_path):
     (tmp_path / "d.json").write_text("[]")
-    with pytest.raises(ValueError, match=r"data.source=.*(has no rows|could not be read)"):
-        set_up(data(source=str(tmp_path / "d.json")))
+    with pytest.raises(ValueError, match=r"data.source.dataset=.*(has no rows|could not be read)"):
+        set_up(data(source=SourceSpec(str(tmp_path / "d.json"))))
 
 
 def test_dataset_file_not_found(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"data.source=.*missing.jsonl': no such file"):
-        set_up(data(source=str(tmp_path / "missing.jsonl")))
+    with pytest.raises(FileNotFoundError, match=r"data.source.dataset=.*missing.jsonl': no such file"):
+        set_up(data(source=SourceSpec(str(tmp_path / "missing.jsonl"))))
 
 
 def test_dataset_file_unreadable(tmp_path):
     (tmp_path / "d.parquet").write_text("not a parquet file")
-    with pytest.raises(ValueError, match=r"data.source=.*d.parquet' could not be read as parquet"):
-        set_up(data(source=str(tmp_path / "d.parquet")))
+    with pytest.raises(ValueError, match=r"data.source.dataset=.*d.parquet' could not be read as parquet"):
+        set_up(data(source=SourceSpec(str(tmp_path / "d.parquet"))))
 
 
 def test_dataset_file_of_unknown_type(tmp_path):
     (tmp_path / "d.txt").write_text("1+1?\n")
-    with pytest.raises(ValueError, match=r"data.source=.*unknown file type '.txt'; expected one of"):
-        set_up(data(source=str(tmp_path / "d.txt")))
+    with pytest.raises(ValueError, match=r"data.source.dataset=.*unknown file type '.txt'; expected one of"):
+        set_up(data(source=SourceSpec(str(tmp_path / "d.txt"))))
 
 
 def test_dataset_file_that_is_not_utf8(tmp_path):
@@ -127,21 +132,21 @@ def test_dataset_file_that_is_not_utf8(tmp_path):
     offset = sum(map(len, rows[:6])) + rows[6].index(b"\xe9")
     with pytest.raises(
         ValueError,
-        match=rf"data.source=.*d.jsonl' is not UTF-8 text: byte {offset} \(line 7\) "
+        match=rf"data.source.dataset=.*d.jsonl' is not UTF-8 text: byte {offset} \(line 7\) "
         r"is 0xe9 .*save the file as UTF-8",
     ):
-        set_up(data(source=str(tmp_path / "d.jsonl"), val_size=2))
+        set_up(data(source=SourceSpec(str(tmp_path / "d.jsonl")), held_out=HeldOutSpec(size=2)))
 
 
 def test_task_args_with_a_data_file_are_ignored_with_a_warning(tmp_path):
-    # The quickstart's task_args left in place when pointing data.source at one's own file.
+    # The quickstart's task_args left in place when pointing data.source.dataset at one's own file.
     source = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1?", "answer": "2"}] * 10)
     with pytest.warns(
         UserWarning,
-        match=r"data.task_args=\{'digits': 2\} ignored: they configure the built-in "
-        r"tasks .*data.source=.*d.jsonl' is not one of them",
+        match=r"data.source.task_args=\{'digits': 2\} ignored: they configure the built-in "
+        r"tasks .*data.source.dataset=.*d.jsonl' is not one of them",
     ):
-        rows = load_rows(source, "train", {"digits": 2}, seed=0, size=None)
+        rows = load_rows(source, "train", {"digits": 2}, seed=0, size=None, fields=GROUPED)
     assert len(rows) == 10
 
 
@@ -150,10 +155,10 @@ def test_hub_dataset_offline(monkeypatch):
     start = time.monotonic()
     with pytest.raises(
         ValueError,
-        match=r"data.source='lit-grpo-tests/no-such-dataset' is not a local file, the "
+        match=r"data.source.dataset='lit-grpo-tests/no-such-dataset' is not a local file, the "
         r"dataset hub is not reachable \(offline\).*save it as a .jsonl",
     ):
-        load_rows("lit-grpo-tests/no-such-dataset", "train", None, seed=0, size=None)
+        load_rows("lit-grpo-tests/no-such-dataset", "train", None, seed=0, size=None, fields=GROUPED)
     assert time.monotonic() - start < 10
 
 
@@ -163,11 +168,13 @@ def test_prompt_longer_than_the_model_context(module, tmp_path):
     source = write_jsonl(tmp_path / "d.jsonl", rows)
     with pytest.raises(
         ValueError,
-        match=r"data.source=.*d.jsonl' split 'train' row 8: the prompt has \d+ tokens "
+        match=r"data.source.dataset=.*d.jsonl' split 'train' row 8: the prompt has \d+ tokens "
         r"\(chat template included\), \d+ with sampling.max_new_tokens=4, more "
         r"than the model's context of 512 \(policy.name_or_path=",
     ):
-        set_up(data(source=source, val_size=2, max_prompt_length=None), module)
+        set_up(
+            data(source=SourceSpec(source), held_out=HeldOutSpec(size=2), prompt=PromptSpec(max_length=None)), module
+        )
 
 
 def test_prompt_and_completion_longer_than_the_model_context(module):
@@ -175,8 +182,8 @@ def test_prompt_and_completion_longer_than_the_model_context(module):
     with pytest.raises(
         ValueError,
         match=r"split 'train' row 4: .*with sampling.max_new_tokens=500, more than the "
-        r"model's context of 512.*data.max_prompt_length=12 with "
-        r"data.prompt_overflow='truncate'",
+        r"model's context of 512.*data.prompt.max_length=12 with "
+        r"data.prompt.overflow='truncate'",
     ):
         set_up(data(sampling=SamplingSpec(group_size=4, max_new_tokens=500)), module)
 
@@ -188,14 +195,14 @@ def test_prompt_and_episode_longer_than_the_model_context(module):
             episodes=EpisodesSpec(
                 tools=["lit_grpo.environments.builtin.calculator"], max_episode_tokens=max_episode_tokens
             ),
-            max_prompt_length=None,
+            prompt=PromptSpec(max_length=None),
         )
 
     with pytest.raises(
         ValueError,
         match=r"split 'train' row 4: the prompt has \d+ tokens \(chat template included\), "
         r"\d+ with data.episodes.max_episode_tokens=500, more than the model's context of 512"
-        r".*lower data.episodes.max_episode_tokens, or set data.max_prompt_length=12 with",
+        r".*lower data.episodes.max_episode_tokens, or set data.prompt.max_length=12 with",
     ):
         set_up(data(**episodes(500)), module)
     set_up(data(**episodes(40)), module)  # prompt + 40 fit
@@ -204,15 +211,15 @@ def test_prompt_and_episode_longer_than_the_model_context(module):
 def test_prompt_longer_than_max_prompt_length_is_refused(module):
     with pytest.raises(
         ValueError,
-        match=r"tokens > data.max_prompt_length=8; raise the limit or set "
-        r"data.prompt_overflow='truncate'",
+        match=r"tokens > data.prompt.max_length=8; raise the limit or set "
+        r"data.prompt.overflow='truncate'",
     ):
-        set_up(data(max_prompt_length=8), module)
+        set_up(data(prompt=PromptSpec(max_length=8)), module)
 
 
 def test_prompt_longer_than_max_prompt_length_is_truncated_with_a_warning(module):
-    with pytest.warns(UserWarning, match=r"longer than max_prompt_length=8 tokens were truncated"):
-        set_up(data(max_prompt_length=8, prompt_overflow="truncate"), module)
+    with pytest.warns(UserWarning, match=r"longer than data.prompt.max_length=8 tokens were truncated"):
+        set_up(data(prompt=PromptSpec(max_length=8, overflow="truncate")), module)
 
 
 def test_group_size_below_two(module):
@@ -220,7 +227,7 @@ def test_group_size_below_two(module):
         SamplingSpec(group_size=0)
     # One completion per prompt leaves no group to compare with: GRPO and RLOO refuse it
     # (PPO's critic needs no group, see tests/test_ppo.py).
-    with pytest.raises(ValueError, match=r"sampling.group_size=1; expected >= 2 with data.advantage_estimator='grpo'"):
+    with pytest.raises(ValueError, match=r"sampling.group_size=1; expected >= 2 with data.advantage.estimator='grpo'"):
         set_up(data(sampling=SamplingSpec(group_size=1, max_new_tokens=4), batch_size=2), module)
 
 
@@ -470,8 +477,8 @@ def fit(capsys, monkeypatch, tmp_path, tiny_model_dir):
                     f"--model.policy.name_or_path={tiny_model_dir}",
                     "--model.policy.lora.r=4",
                     "--model.progress=false",
-                    "--data.train_size=20",
-                    "--data.val_size=2",
+                    "--data.source.train_size=20",
+                    "--data.held_out.size=2",
                     "--data.prompts_per_epoch=2",
                     "--data.batch_size=4",
                     "--data.sampling.group_size=4",
@@ -689,10 +696,10 @@ def test_cli_reward_that_raises_inside_the_rollout_is_the_last_line(fit):
 
 def test_cli_environment_reward_that_is_none_names_the_class_and_get_reward(fit):
     code, last = fit(
-        "--data.source=guess_number",
+        "--data.source.dataset=guess_number",
         '--data.episodes.environment={"class_path": "test_bad_inputs.NoReward"}',
         "--data.rewards=[]",
-        "--data.max_prompt_length=400",
+        "--data.prompt.max_length=400",
     )
     assert code == 2
     assert last.startswith(
@@ -712,7 +719,7 @@ def test_plain_trainer_reward_that_raises_inside_the_rollout_surfaces_as_itself(
         reload_dataloaders_every_n_epochs=1,
     )
     with pytest.raises(RewardFunctionError, match=r"Reward 'raising_reward' raised on row 0: KeyError\('tests'\)"):
-        trainer.fit(module, data(rewards=[raising_reward], val_size=2))
+        trainer.fit(module, data(rewards=[raising_reward], held_out=HeldOutSpec(size=2)))
 
 
 def test_a_vllm_server_that_does_not_answer_is_refused_before_training(tiny_model_dir):

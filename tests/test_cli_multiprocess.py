@@ -52,7 +52,7 @@ def cli_args(tiny: str, root: Path, *extra: str) -> list[str]:
         "2",
         "--data.batch_size",
         "8",
-        "--data.val_size",
+        "--data.held_out.size",
         "4",
         "--data.sampling.max_new_tokens",
         "8",
@@ -182,13 +182,13 @@ def test_fsdp2_cli_run_with_the_shipped_config(tiny_model_dir, tmp_path):
                 "--trainer.logger.save_dir",
                 str(tmp_path),
                 "--trainer.callbacks+=lit_grpo.evaluation.plots.PlotCallback",
-                "--data.source",
+                "--data.source.dataset",
                 "arithmetic",
-                "--data.val_split",
+                "--data.held_out.split",
                 "null",
-                "--data.columns",
+                "--data.source.columns",
                 "null",
-                "--data.prompt_template",
+                "--data.prompt.template",
                 "{prompt}",
                 "--model.policy.gradient_checkpointing",
                 "false",
@@ -280,11 +280,11 @@ def stalled_run(tiny: str, root: Path, *extra: str) -> subprocess.Popen:
 
 def test_a_rank_conditional_collective_ends_in_an_error_naming_the_hook(tiny_model_dir, tmp_path):
     # Long enough for rank 1 to start (the timeout bounds the rendezvous too), short enough to wait for.
-    code, output = finish(stalled_run(tiny_model_dir, tmp_path, "--collective_timeout", "45"))
+    code, output = finish(stalled_run(tiny_model_dir, tmp_path, "--collective_timeout", "30"))
     assert code == 1
     last = output.strip().splitlines()[-1]
     assert last.startswith("lit-grpo: rank 0: a collective failed in StallingRank.on_train_epoch_end"), last
-    assert "Timed out waiting 45000ms" in last and "stalling_rank.py" in last
+    assert "Timed out waiting 30000ms" in last and "stalling_rank.py" in last
 
 
 def test_sigterm_ends_every_rank_even_inside_a_collective(tiny_model_dir, tmp_path):
@@ -305,7 +305,7 @@ def test_sigterm_ends_every_rank_even_inside_a_collective(tiny_model_dir, tmp_pa
 
 def test_fsdp2_killed_inside_epochs_resumes_from_its_sharded_checkpoints_to_the_same_adapter(tiny_model_dir, tmp_path):
     # Both ranks SIGKILLed at once (the run's process group) before an optimizer step inside an epoch,
-    # twice, and once inside the save of last.ckpt (every shard written, rank 0's meta.pt not:
+    # and once inside the save of last.ckpt (every shard written, rank 0's meta.pt not:
     # written in place, the folder then held step 7's weights with step 6's loop state); each time
     # resumed with --ckpt_path last from the sharded checkpoint of the step before. 4 steps per
     # epoch. (A gradient hook on a sharded parameter never fires under FSDP2, so the kill comes
@@ -341,7 +341,7 @@ def test_fsdp2_killed_inside_epochs_resumes_from_its_sharded_checkpoints_to_the_
     code, output = run(tmp_path / "straight")
     assert code == 0, output[-6000:]
     chaos = tmp_path / "chaos"
-    for phase, epoch, index in (("optimizer", 0, 2), ("optimizer", 1, 1), ("sharded_checkpoint", 1, 7)):
+    for phase, epoch, index in (("optimizer", 0, 2), ("sharded_checkpoint", 1, 7)):
         code, output = run(
             chaos,
             "--ckpt_path",
@@ -369,8 +369,8 @@ DDP, FSDP2 = ("--trainer.strategy", "ddp"), ("--trainer.strategy.class_path", "M
 
 @pytest.mark.parametrize(
     "command, strategy",
-    [("sft", DDP), ("rm", DDP), ("rm", FSDP2), ("dpo", FSDP2)],
-    ids=["sft-ddp", "rm-ddp", "rm-fsdp2", "dpo-fsdp2"],
+    [("sft", DDP), ("rm", FSDP2), ("dpo", FSDP2)],
+    ids=["sft-ddp", "rm-fsdp2", "dpo-fsdp2"],
 )
 def test_dataset_cli_runs_on_two_ranks(tiny_model_dir, tmp_path, command, strategy):
     # SFT, the reward model and DPO on 2 ranks, as users type them: the shipped configs shrunk to the

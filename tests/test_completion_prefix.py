@@ -1,4 +1,4 @@
-"""data.completion_prefix: the reply starts with fixed text (R1-Zero's ``<think>``) that the
+"""data.prompt.completion_prefix: the reply starts with fixed text (R1-Zero's ``<think>``) that the
 policy continues from, and every reader of a completion sees it in front."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lit_grpo.algorithms.answers import answer_rows
 from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.data.grpo import OnPolicyDataModule
+from lit_grpo.data.specs import HeldOutSpec, PromptSpec, SourceSpec
 from lit_grpo.generation.rollout import SamplingSpec
 from lit_grpo.model.policy import PolicySpec
 
@@ -35,13 +36,11 @@ def test_prefix_ends_each_prompt_and_starts_each_completion_the_readers_see(tmp_
     data = OnPolicyDataModule(
         prompts_per_epoch=2,
         batch_size=4,
-        val_size=2,
-        train_size=8,
-        val_batch_size=2,
+        held_out=HeldOutSpec(size=2, batch_size=2, reward=val_seen),
+        source=SourceSpec(train_size=8),
         sampling=SamplingSpec(group_size=4, max_new_tokens=5),
         rewards=[train_seen],
-        val_reward=val_seen,
-        completion_prefix=PREFIX,
+        prompt=PromptSpec(completion_prefix=PREFIX),
     )
     trainer = L.Trainer(
         max_epochs=1,

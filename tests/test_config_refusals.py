@@ -65,11 +65,15 @@ def test_damaged_tokenizer_transformers_refuses(fit, tmp_path, tiny_model_dir): 
 
 def test_task_with_fewer_questions_than_train_size_names_it(fit):  # noqa: F811
     # 1-digit sums: 10 x 10 = 100 distinct questions, 120 asked
-    code, last = fit("--data.train_size=118", '--data.task_args={"digits": 1, "ops": "+"}')
+    code, last = fit("--data.source.train_size=118", '--data.source.task_args={"digits": 1, "ops": "+"}')
     assert code == 2
-    assert last.startswith("lit-grpo: data.train_size=118 + data.val_size=2 rows asked of data.source='arithmetic': ")
-    assert "it has 100 distinct ones" in last and "Lower data.train_size" in last
-    code, _ = fit("--data.train_size=90", '--data.task_args={"digits": 1, "ops": "+"}', "--data.val_slices={}")
+    assert last.startswith(
+        "lit-grpo: data.source.train_size=118 + data.held_out.size=2 rows asked of data.source.dataset='arithmetic': "
+    )
+    assert "it has 100 distinct ones" in last and "Lower data.source.train_size" in last
+    code, _ = fit(
+        "--data.source.train_size=90", '--data.source.task_args={"digits": 1, "ops": "+"}', "--data.held_out.slices={}"
+    )
     assert code == 0
 
 
@@ -88,7 +92,9 @@ def test_conversational_prompts_train_through_the_cli(fit, tmp_path):  # noqa: F
     ]
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    code, last = fit(f"--data.source={data}", "--data.train_size=10", f"--export_adapter={tmp_path / 'adapter'}")
+    code, last = fit(
+        f"--data.source.dataset={data}", "--data.source.train_size=10", f"--export_adapter={tmp_path / 'adapter'}"
+    )
     assert code == 0, last
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
 
@@ -103,6 +109,28 @@ def test_strategy_class_name_as_a_string_names_the_class_path_form(fit):  # noqa
         "--trainer.strategy.class_path ModelParallelStrategy (in YAML: strategy: "
         "{class_path: ModelParallelStrategy})."
     )
+
+
+def test_a_data_key_of_the_old_flat_layout_names_its_group(fit, tmp_path):  # noqa: F811
+    code, last = fit("--data.val_size=4")
+    assert code == 2
+    assert last == (
+        "lit-grpo: data.val_size is now data.held_out.size (the held-out settings are one group, "
+        "data.held_out); move it there."
+    )
+    code, last = fit("--data.max_prompt_length", "64")
+    assert code == 2 and last.startswith("lit-grpo: data.max_prompt_length is now data.prompt.max_length ")
+    config = tmp_path / "old.yaml"
+    config.write_text("data:\n  source: countdown\n  advantage_estimator: rloo\n")
+    code, last = fit(f"--config={config}")
+    assert code == 2
+    assert last == (
+        "lit-grpo: data.source='countdown': data.source is now a group (the dataset, its split, columns and "
+        "task options); write data.source.dataset='countdown'."
+    )
+    config.write_text("data:\n  source: {dataset: countdown}\n  advantage_estimator: rloo\n")
+    code, last = fit(f"--config={config}")
+    assert code == 2 and last.startswith("lit-grpo: data.advantage_estimator is now data.advantage.estimator ")
 
 
 def test_an_episode_key_of_the_old_flat_layout_names_its_new_place(fit, tmp_path):  # noqa: F811

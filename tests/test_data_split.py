@@ -10,6 +10,7 @@ from lit_grpo.data.grpo import OnPolicyDataModule
 from lit_grpo.data.preferences import PreferenceDataModule
 from lit_grpo.data.sft import SFTDataModule
 from lit_grpo.data.sources import split_rows
+from lit_grpo.data.specs import HeldOutSpec, SourceSpec
 
 
 def numbered(split: str, size: int) -> list[dict]:
@@ -56,7 +57,7 @@ def test_every_data_module_holds_out_the_same_rows_of_a_file(tmp_path):
     modules = [
         SFTDataModule(source=str(path), val_size=3),
         PreferenceDataModule(source=str(path), val_size=3),
-        OnPolicyDataModule(source=str(path), val_size=3),
+        OnPolicyDataModule(source=SourceSpec(str(path)), held_out=HeldOutSpec(size=3)),
     ]
     for module in modules:
         module.setup()

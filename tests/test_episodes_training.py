@@ -19,6 +19,7 @@ from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.algorithms.ppo import PPOModule
 from lit_grpo.data.episodes import EpisodesSpec
 from lit_grpo.data.grpo import OnPolicyDataModule
+from lit_grpo.data.specs import AdvantageSpec, HeldOutSpec, SourceSpec
 from lit_grpo.environments import ToolCall
 from lit_grpo.generation.rollout import SamplingSpec
 from lit_grpo.model.policy import PolicySpec
@@ -42,9 +43,8 @@ def make(tiny_model_dir, fmt=None, module_class=GRPOModule, module_args=None, **
     settings = dict(
         prompts_per_epoch=2,
         batch_size=4,
-        val_size=4,
-        train_size=40,
-        val_batch_size=4,
+        source=SourceSpec(train_size=40),
+        held_out=HeldOutSpec(size=4, batch_size=4),
         sampling=SamplingSpec(group_size=4, max_new_tokens=8),
         rewards=[answer_length],
     )
@@ -98,8 +98,8 @@ def test_tools_that_are_never_called_train_to_the_same_adapter_bitwise(tmp_path,
     [
         dict(),
         dict(num_iterations=2, dynamic_sampling=True, max_sampling_rounds=2),
-        dict(advantage_estimator="rloo", loss_type="dapo"),
-        dict(advantage_estimator="reinforce_pp", loss_type="bnpo"),
+        dict(advantage=AdvantageSpec("rloo"), loss_type="dapo"),
+        dict(advantage=AdvantageSpec("reinforce_pp"), loss_type="bnpo"),
         dict(checkpointing=True, loss_type="dr_grpo"),
     ],
     ids=["grpo", "mu2-dynamic", "rloo-dapo", "reinforce_pp", "checkpointing"],
@@ -193,8 +193,7 @@ def test_an_environment_per_episode_owns_the_reward_and_its_reset_joins_the_prom
     module, data = make(
         tiny_model_dir,
         fmt=Guesses(" "),
-        source="guess_number",
-        task_args={"low": 1, "high": 10},
+        source=SourceSpec("guess_number", task_args={"low": 1, "high": 10}, train_size=40),
         environment={"class_path": "lit_grpo.environments.builtin.GuessNumber", "init_args": {"max_guesses": 2}},
         rewards=[],
         max_turns=3,

@@ -32,10 +32,10 @@ def eval_args(tiny: str, *extra: str) -> list[str]:
         "--trainer.accelerator=cpu",
         f"--model.policy.name_or_path={tiny}",
         "--model.progress=false",
-        "--data.val_size=4",
-        "--data.train_size=8",
+        "--data.held_out.size=4",
+        "--data.source.train_size=8",
         "--data.sampling.max_new_tokens=6",
-        f"--data.val_reward={reward}",
+        f"--data.held_out.reward={reward}",
         *extra,
     ]
 
@@ -74,7 +74,7 @@ def test_eval_runs_the_episodes_and_reports_tool_use(tiny_model_dir, tmp_path, m
             "--samples=2",
             "--pass_k=[1]",
             '--data.episodes.tools=["lit_grpo.environments.builtin.calculator"]',
-            "--data.max_prompt_length=400",
+            "--data.prompt.max_length=400",
         )
     )
     assert result["turns_mean"] == 1.0 and result["tool_calls"] == 0.0  # a random model never calls
@@ -104,10 +104,10 @@ def test_eval_reports_what_the_environment_scored(tiny_model_dir, tmp_path, monk
     result = main(
         eval_args(
             tiny_model_dir,
-            "--data.source=guess_number",
+            "--data.source.dataset=guess_number",
             '--data.episodes.environment={"class_path": "test_eval.SecretScore"}',
             "--data.rewards=[]",
-            "--data.max_prompt_length=400",
+            "--data.prompt.max_length=400",
             f"--transcripts={tmp_path / 'games.jsonl'}",
         )
     )
@@ -141,10 +141,10 @@ def test_env_success_reads_the_environments_solved_not_its_shaped_reward(tiny_mo
     result = main(
         eval_args(
             tiny_model_dir,
-            "--data.source=guess_number",
+            "--data.source.dataset=guess_number",
             '--data.episodes.environment={"class_path": "test_eval.ShapedSecret"}',
             "--data.rewards=[]",
-            "--data.max_prompt_length=400",
+            "--data.prompt.max_length=400",
         )
     )
     secrets = [row["secret"] for row in load_rows("guess_number", "train", None, 0, 12)[:4]]

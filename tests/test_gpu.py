@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lit_grpo.data.specs import HeldOutSpec, SourceSpec
 from lit_grpo.generation.decode_step import llama_step_applies
 from lit_grpo.generation.rollout import SamplingSpec, encode_prompts, generate
 from lit_grpo.model.policy import LoraSpec, PolicySpec, load_tokenizer
@@ -47,8 +48,8 @@ def grpo(model_dir: str, **policy):
     data = OnPolicyDataModule(
         prompts_per_epoch=2,
         batch_size=4,
-        val_size=2,
-        train_size=20,
+        held_out=HeldOutSpec(size=2),
+        source=SourceSpec(train_size=20),
         sampling=SamplingSpec(group_size=4, max_new_tokens=6, ignore_eos=True),
         rewards=[distinct_characters],
     )

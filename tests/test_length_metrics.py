@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.data.grpo import OnPolicyDataModule
+from lit_grpo.data.specs import HeldOutSpec, SourceSpec
 from lit_grpo.generation.rollout import SamplingSpec
 from lit_grpo.model.policy import PolicySpec
 from lit_grpo.rewards import OverlongPenalty
@@ -37,8 +38,8 @@ def test_overlong_filtering_and_penalty_are_logged(tmp_path, often_ending_model_
     data = OnPolicyDataModule(
         prompts_per_epoch=4,
         batch_size=16,
-        val_size=1,
-        train_size=8,
+        held_out=HeldOutSpec(size=1),
+        source=SourceSpec(train_size=8),
         sampling=SamplingSpec(group_size=4, max_new_tokens=MAX_NEW_TOKENS, mask_truncated=True),
         # the ramp spans the whole budget: a completion of n tokens gets -n / 6
         rewards=[OverlongPenalty(max_len=MAX_NEW_TOKENS, buffer=MAX_NEW_TOKENS)],
@@ -82,8 +83,8 @@ def test_no_masked_token_fraction_without_overlong_filtering(tmp_path, tiny_mode
     data = OnPolicyDataModule(
         prompts_per_epoch=1,
         batch_size=2,
-        val_size=1,
-        train_size=2,
+        held_out=HeldOutSpec(size=1),
+        source=SourceSpec(train_size=2),
         sampling=SamplingSpec(group_size=2, max_new_tokens=2),
         rewards=[OverlongPenalty(max_len=2, buffer=1)],
     )

@@ -12,6 +12,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.data.grpo import OnPolicyDataModule
+from lit_grpo.data.specs import HeldOutSpec, SourceSpec
 from lit_grpo.generation.rollout import SamplingSpec
 from lit_grpo.model.logprob_passes import completion_logprobs
 from lit_grpo.model.policy import PolicySpec
@@ -36,9 +37,8 @@ def make(tiny_model_dir, reward=length_reward, beta=0.04, **data):
     settings = dict(
         prompts_per_epoch=2,
         batch_size=4,
-        val_size=4,
-        train_size=40,
-        val_batch_size=4,
+        source=SourceSpec(train_size=40),
+        held_out=HeldOutSpec(size=4, batch_size=4),
         sampling=SamplingSpec(group_size=4, max_new_tokens=6),
         rewards=[reward],
     )
@@ -184,8 +184,8 @@ def test_skipping_zero_gradient_rows_leaves_the_step_unchanged(tmp_path, tiny_mo
         data = OnPolicyDataModule(
             prompts_per_epoch=4,
             batch_size=16,
-            val_size=4,
-            train_size=40,
+            held_out=HeldOutSpec(size=4),
+            source=SourceSpec(train_size=40),
             sampling=SamplingSpec(group_size=4, max_new_tokens=6),
             rewards=[first_group_collapsed],
         )
@@ -281,9 +281,8 @@ def test_embedded_model_trains_two_epochs(tmp_path):
     data = OnPolicyDataModule(
         prompts_per_epoch=2,
         batch_size=8,
-        val_size=2,
-        train_size=20,
-        task_args={"ops": "+"},
+        held_out=HeldOutSpec(size=2),
+        source=SourceSpec(train_size=20, task_args={"ops": "+"}),
         sampling=SamplingSpec(group_size=4, max_new_tokens=8),
     )
     fit = trainer(tmp_path, epochs=2, check_val_every_n_epoch=2)

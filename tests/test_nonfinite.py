@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.data.grpo import OnPolicyDataModule
+from lit_grpo.data.specs import HeldOutSpec, SourceSpec
 from lit_grpo.generation.rollout import SamplingSpec
 from lit_grpo.model.policy import PolicySpec
 from lit_grpo.rewards import Accuracy
@@ -54,8 +55,8 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_training(tmp_path, tiny_mo
         scheduler=lambda optimizer: torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.5),
     )
     data = OnPolicyDataModule(
-        train_size=40,
-        val_size=4,
+        source=SourceSpec(train_size=40),
+        held_out=HeldOutSpec(size=4),
         prompts_per_epoch=2,
         batch_size=2,
         sampling=SamplingSpec(group_size=4, max_new_tokens=4),

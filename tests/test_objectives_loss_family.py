@@ -197,7 +197,7 @@ def gradient_pair(loss, *tensors):
         ["--model.loss_type=sapo", "--model.sapo_temperature_neg=1.2"],
         ["--model.entropy_coef=0.01", "--model.top_entropy_quantile=0.5", "--model.beta=0"],
         [
-            "--data.multi_objective_aggregation=normalize_then_sum",
+            "--data.advantage.multi_objective_aggregation=normalize_then_sum",
             '--data.rewards=[{"class_path": "lit_grpo.rewards.Accuracy"}, {"class_path": "lit_grpo.rewards.Format"}]',
         ],
     ],
@@ -212,5 +212,7 @@ def test_a_wrong_choice_is_one_line(fit):  # noqa: F811
     assert code == 2 and last == (
         "lit-grpo: model.top_entropy_quantile=0.0; expected a fraction in (0, 1] (1.0 trains on every token)."
     )
-    code, last = fit("--data.multi_objective_aggregation=normalize_then_sum", "--data.advantage_estimator=rloo")
+    code, last = fit(
+        "--data.advantage.multi_objective_aggregation=normalize_then_sum", "--data.advantage.estimator=rloo"
+    )
     assert code == 2 and "use grpo." in last

@@ -14,6 +14,7 @@ from lit_grpo.algorithms.answers import BeforeAfterAnswers
 from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.cli import main
 from lit_grpo.data.grpo import OnPolicyDataModule
+from lit_grpo.data.specs import HeldOutSpec, SourceSpec
 from lit_grpo.evaluation.plots import BEFORE_TRAINING, PlotCallback, find_metrics, read_metrics
 from lit_grpo.generation.rollout import SamplingSpec
 from lit_grpo.model.policy import PolicySpec
@@ -34,9 +35,8 @@ def build(tiny_model_dir):
     data = OnPolicyDataModule(
         prompts_per_epoch=2,
         batch_size=4,
-        val_size=4,
-        train_size=40,
-        val_batch_size=4,
+        held_out=HeldOutSpec(size=4, batch_size=4),
+        source=SourceSpec(train_size=40),
         sampling=SamplingSpec(group_size=4, max_new_tokens=6),
         rewards=[length_reward],
     )

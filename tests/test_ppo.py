@@ -13,6 +13,7 @@ from torch import nn
 from lit_grpo.algorithms.grpo import SCORED_KEYS, GRPOModule
 from lit_grpo.algorithms.ppo import PPOModule
 from lit_grpo.data.grpo import OnPolicyDataModule
+from lit_grpo.data.specs import AdvantageSpec, HeldOutSpec, SourceSpec
 from lit_grpo.generation.rollout import SamplingSpec
 from lit_grpo.model.logprob_passes import completion_hidden_states
 from lit_grpo.model.policy import LoraSpec, PolicySpec
@@ -40,9 +41,8 @@ def make(tiny_model_dir, reward=constant_reward, group_size=1, lr=1e-2, policy=N
         prompts_per_epoch=4,
         batch_size=4,
         num_iterations=2,
-        val_size=4,
-        train_size=40,
-        val_batch_size=4,
+        held_out=HeldOutSpec(size=4, batch_size=4),
+        source=SourceSpec(train_size=40),
         sampling=SamplingSpec(group_size=group_size, max_new_tokens=6),
         rewards=[reward],
     )
@@ -179,15 +179,15 @@ def test_group_size_one_is_accepted_for_ppo_and_refused_for_grpo(tmp_path, tiny_
     data = OnPolicyDataModule(
         prompts_per_epoch=4,
         batch_size=4,
-        val_size=4,
-        train_size=40,
+        held_out=HeldOutSpec(size=4),
+        source=SourceSpec(train_size=40),
         sampling=SamplingSpec(group_size=1, max_new_tokens=6),
         rewards=[constant_reward],
     )
     with pytest.raises(
         ValueError,
         match=r"sampling.group_size=1; expected >= 2 with "
-        r"data.advantage_estimator='grpo'",
+        r"data.advantage.estimator='grpo'",
     ):
         trainer(tmp_path, 1).fit(grpo, data)
 
@@ -197,15 +197,15 @@ def test_estimator_the_module_cannot_train_with_is_refused(tmp_path, tiny_model_
     data = OnPolicyDataModule(
         prompts_per_epoch=2,
         batch_size=4,
-        val_size=4,
-        train_size=40,
-        advantage_estimator="gae",
+        held_out=HeldOutSpec(size=4),
+        source=SourceSpec(train_size=40),
+        advantage=AdvantageSpec(estimator="gae"),
         sampling=SamplingSpec(group_size=2, max_new_tokens=6),
         rewards=[constant_reward],
     )
     with pytest.raises(
         ValueError,
-        match=r"data.advantage_estimator='gae'; GRPOModule trains with one of "
+        match=r"data.advantage.estimator='gae'; GRPOModule trains with one of "
         r"\['grpo', 'rloo', 'reinforce_pp'\]",
     ):
         trainer(tmp_path, 1).fit(module, data)
@@ -223,9 +223,9 @@ def test_rloo_estimator_trains_grpo_module(tmp_path, tiny_model_dir):
     data = OnPolicyDataModule(
         prompts_per_epoch=2,
         batch_size=4,
-        val_size=4,
-        train_size=40,
-        advantage_estimator="rloo",
+        held_out=HeldOutSpec(size=4),
+        source=SourceSpec(train_size=40),
+        advantage=AdvantageSpec(estimator="rloo"),
         sampling=SamplingSpec(group_size=4, max_new_tokens=6),
         rewards=[length_reward],
     )

@@ -92,6 +92,7 @@ import lightning as L
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.data.grpo import OnPolicyDataModule
+from lit_grpo.data.specs import HeldOutSpec, SourceSpec
 from lit_grpo.generation.rollout import SamplingSpec
 from lit_grpo.model.policy import LoraSpec, PolicySpec
 
@@ -103,7 +104,8 @@ class Signals(L.Callback):
 
 module = GRPOModule(policy=PolicySpec(name_or_path={model_dir!r}, lora=LoraSpec(r=4)), progress=False,
                     validate_before_training=False)
-data = OnPolicyDataModule(train_size=20, val_size=2, prompts_per_epoch=2, batch_size=4,
+data = OnPolicyDataModule(source=SourceSpec(train_size=20), held_out=HeldOutSpec(size=2), prompts_per_epoch=2,
+                          batch_size=4,
                           sampling=SamplingSpec(group_size=4, max_new_tokens=4))
 trainer = L.Trainer(accelerator="cpu", max_epochs=3, logger=False, enable_progress_bar=False,
                     reload_dataloaders_every_n_epochs=1, default_root_dir={str(root)!r},

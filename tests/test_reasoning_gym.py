@@ -7,6 +7,7 @@ import pytest
 pytest.importorskip("reasoning_gym", reason="needs the reasoning extra: pip install -e '.[reasoning]'")
 
 from lit_grpo import LoraSpec, OnPolicyDataModule, PolicySpec, SamplingSpec  # noqa: E402
+from lit_grpo.data.specs import HeldOutSpec, PromptSpec, SourceSpec
 from lit_grpo.data.tasks import reasoning_gym  # noqa: E402
 from lit_grpo.rewards import ReasoningGym  # noqa: E402
 from lit_grpo.rewards.reasoning_gym import extract_answer  # noqa: E402
@@ -52,11 +53,13 @@ def test_the_answer_is_read_from_closed_and_open_tags_or_the_last_line():
 def test_an_unknown_task_names_the_close_ones_and_refused_options_name_ours():
     with pytest.raises(
         ValueError,
-        match=r"data.task_args.name='chain_summ' is not a reasoning-gym task; close "
+        match=r"data.source.task_args.name='chain_summ' is not a reasoning-gym task; close "
         r"ones: \['chain_sum', 'decimal_chain_sum'\]",
     ):
         reasoning_gym(4, seed=0, name="chain_summ")
-    with pytest.raises(ValueError, match=r"data.task_args.size=9: reasoning-gym's size is data.train_size here"):
+    with pytest.raises(
+        ValueError, match=r"data.source.task_args.size=9: reasoning-gym's size is data.source.train_size here"
+    ):
         reasoning_gym(4, seed=0, name="chain_sum", size=9)
     with pytest.raises(ValueError, match=r"reasoning-gym refuses them"):
         reasoning_gym(4, seed=0, name="chain_sum", min_terms=5, max_terms=2)
@@ -69,16 +72,12 @@ def test_it_trains_with_held_out_slices_of_another_difficulty(tmp_path, tiny_mod
     from lit_grpo import GRPOModule
 
     data = OnPolicyDataModule(
-        source="reasoning_gym",
-        task_args=SUMS,
-        train_size=40,
-        val_size=4,
-        val_slices={"3 digits": {"min_digits": 3, "max_digits": 3}},
+        source=SourceSpec(dataset="reasoning_gym", task_args=SUMS, train_size=40),
+        held_out=HeldOutSpec(size=4, slices={"3 digits": {"min_digits": 3, "max_digits": 3}}, reward=ReasoningGym()),
         prompts_per_epoch=2,
         batch_size=8,
         rewards=[ReasoningGym()],
-        val_reward=ReasoningGym(),
-        completion_prefix="<answer>",
+        prompt=PromptSpec(completion_prefix="<answer>"),
         sampling=SamplingSpec(group_size=4, max_new_tokens=6),
     )
     module = GRPOModule(

@@ -11,6 +11,7 @@ import torch
 
 from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.data.grpo import OnPolicyDataModule
+from lit_grpo.data.specs import AdvantageSpec, HeldOutSpec, SourceSpec
 from lit_grpo.generation.rollout import SamplingSpec
 from lit_grpo.model.policy import PolicySpec
 from lit_grpo.objectives import grpo_loss, reinforce_pp_advantages
@@ -76,9 +77,9 @@ def fit(tmp_path, tiny_model_dir, beta, group_size, epochs=1, callbacks=()):
     data = OnPolicyDataModule(
         prompts_per_epoch=4,
         batch_size=4,
-        val_size=4,
-        train_size=40,
-        advantage_estimator="reinforce_pp",
+        held_out=HeldOutSpec(size=4),
+        source=SourceSpec(train_size=40),
+        advantage=AdvantageSpec(estimator="reinforce_pp"),
         rewards=[length_reward],
         sampling=SamplingSpec(group_size=group_size, max_new_tokens=6),
     )

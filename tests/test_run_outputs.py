@@ -27,8 +27,8 @@ def grpo_args(tiny_model_dir: str, root: Path, *extra: str) -> list[str]:
         "--trainer.enable_progress_bar=false",
         "--trainer.callbacks=[]",
         "--trainer.check_val_every_n_epoch=2",
-        "--data.val_size=4",
-        "--data.val_slices=null",
+        "--data.held_out.size=4",
+        "--data.held_out.slices=null",
         "--data.prompts_per_epoch=2",
         "--data.batch_size=4",
         "--data.sampling.group_size=2",
@@ -55,6 +55,11 @@ def test_summary_after_a_final_validation(tmp_path, tiny_model_dir, capsys):
     # does not repeat epoch 1's
     assert [line for line in lines if line.startswith("epoch 2:")][0].count("val/accuracy") == 0
     assert [line for line in lines if line.startswith("epoch 1:")][0].count("val/accuracy") == 1
+    # no progress bar: each phase says in one line what it ran and for how long
+    phases = [line for line in lines if " in " in line and line.endswith(" s") and ": " in line]
+    assert any(line.startswith("rollout: ") and " step" in line for line in phases), phases
+    assert any(line.startswith("held-out prompts (greedy): 4 prompts in ") for line in phases), phases
+    assert any(line.startswith("reference log-probs: 4 rows in ") for line in phases), phases  # beta > 0
     summary = lines[lines.index(next(line for line in lines if line.startswith("finished:"))) :]
     assert summary[0].startswith("finished: 3 epochs, 3 optimizer steps (this command: ")
     assert summary[1].startswith("  val/accuracy: ") and " before -> " in summary[1] and summary[1].endswith(" after")
@@ -98,8 +103,8 @@ def test_sft_writes_metrics_csv_without_a_configured_logger(tmp_path, tiny_model
             f"--trainer.default_root_dir={tmp_path / 'sft'}",
             "--trainer.enable_progress_bar=false",
             "--trainer.max_epochs=1",
-            "--data.train_size=8",
-            "--data.val_size=4",
+            "--data.source.train_size=8",
+            "--data.held_out.size=4",
             "--data.val_max_new_tokens=4",
         ]
     )

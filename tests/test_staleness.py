@@ -20,6 +20,7 @@ from test_chaos import fit_command, run
 
 from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.data.grpo import OnPolicyDataModule
+from lit_grpo.data.specs import HeldOutSpec, SourceSpec
 from lit_grpo.generation.rollout import SamplingSpec
 from lit_grpo.model.policy import LoraSpec, PolicySpec
 
@@ -46,8 +47,8 @@ def fit(model_dir: str, root, staleness: int, epochs: int = 4, **data) -> tuple[
     datamodule = OnPolicyDataModule(
         **{
             **dict(
-                train_size=20,
-                val_size=2,
+                source=SourceSpec(train_size=20),
+                held_out=HeldOutSpec(size=2),
                 prompts_per_epoch=2,
                 batch_size=8,
                 staleness=staleness,
@@ -153,8 +154,8 @@ def test_what_cannot_sample_ahead_is_refused_in_one_line(tiny_model_dir, tmp_pat
         trainer.fit(
             GRPOModule(policy=policy, progress=False, validate_before_training=False),
             OnPolicyDataModule(
-                train_size=20,
-                val_size=2,
+                source=SourceSpec(train_size=20),
+                held_out=HeldOutSpec(size=2),
                 prompts_per_epoch=2,
                 batch_size=8,
                 rewards=[letters],

@@ -22,6 +22,7 @@ import yaml
 
 from lit_grpo.data import word_problems as wp
 from lit_grpo.data.grpo import OnPolicyDataModule
+from lit_grpo.data.specs import HeldOutSpec, PromptSpec, SourceSpec
 from lit_grpo.data.tasks import TASKS
 from lit_grpo.rewards import Accuracy
 
@@ -220,7 +221,9 @@ def score(rows: list[dict], answers: list) -> list[float | None]:
 
 def test_word_problems_load_and_score_through_the_data_module():
     datamodule = OnPolicyDataModule(
-        source="word_problems", task_args={"max_steps": 3}, train_size=20, val_size=4, rewards=[Accuracy()]
+        source=SourceSpec(dataset="word_problems", task_args={"max_steps": 3}, train_size=20),
+        held_out=HeldOutSpec(size=4),
+        rewards=[Accuracy()],
     )
     datamodule.setup("fit")
     rows = datamodule.train_rows[:10]
@@ -264,13 +267,12 @@ def test_a_gsm8k_schema_parquet_loads_and_scores(tmp_path):
     path = tmp_path / "gsm8k_train.parquet"
     pq.write_table(pa.Table.from_pylist(GSM8K_ROWS), path)
     data = yaml.safe_load((CONFIGS / "gsm8k_qlora.yaml").read_text())["data"]
-    assert data["source"] == "openai/gsm8k:main" and data["columns"] == {"prompt": "question", "answer": "answer"}
+    source = data["source"]
+    assert source["dataset"] == "openai/gsm8k:main" and source["columns"] == {"prompt": "question", "answer": "answer"}
     datamodule = OnPolicyDataModule(
-        source=str(path),
-        columns=data["columns"],
-        val_size=1,
-        train_size=4,
-        prompt_template=data["prompt_template"],
+        source=SourceSpec(dataset=str(path), columns=source["columns"], train_size=4),
+        held_out=HeldOutSpec(size=1),
+        prompt=PromptSpec(**data["prompt"]),
         rewards=[Accuracy()],
     )
     datamodule.setup("fit")

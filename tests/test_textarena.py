@@ -10,6 +10,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
 from lit_grpo import EpisodesSpec, GRPOModule, LoraSpec, OnPolicyDataModule, PolicySpec, SamplingSpec  # noqa: E402
+from lit_grpo.data.specs import HeldOutSpec, PromptSpec, SourceSpec
 from lit_grpo.environments.textarena import TextArenaGame  # noqa: E402
 
 GAME = {"class_path": "lit_grpo.environments.textarena.TextArenaGame", "init_args": {"env_id": "GuessTheNumber-v0"}}
@@ -28,13 +29,12 @@ def test_a_game_is_played_move_by_move_and_scores_itself():
 def test_it_trains_as_an_environment_from_its_yaml_form(tmp_path, tiny_model_dir):
     rows = [{"prompt": "Play the game: one guess per turn.", "seed": seed} for seed in range(12)]
     data = OnPolicyDataModule(
-        source=rows,
-        val_size=2,
+        source=SourceSpec(rows),
+        held_out=HeldOutSpec(size=2, reward=lambda environments, **_: [e.get_reward() for e in environments]),
         prompts_per_epoch=2,
         batch_size=4,
-        max_prompt_length=1024,
+        prompt=PromptSpec(max_length=1024),
         rewards=[],
-        val_reward=lambda environments, **_: [e.get_reward() for e in environments],
         episodes=EpisodesSpec(environment=GAME, max_turns=2, max_episode_tokens=32),
         sampling=SamplingSpec(group_size=2, max_new_tokens=8),
     )

@@ -17,7 +17,17 @@ import torch
 from datasets import Dataset, DatasetDict
 from trl_2048 import PROMPT, Game2048, reward_score
 
-from lit_grpo import EpisodesSpec, GRPOModule, LoraSpec, OnPolicyDataModule, PolicySpec, SamplingSpec
+from lit_grpo import (
+    EpisodesSpec,
+    GRPOModule,
+    HeldOutSpec,
+    LoraSpec,
+    OnPolicyDataModule,
+    PolicySpec,
+    PromptSpec,
+    SamplingSpec,
+    SourceSpec,
+)
 from lit_grpo.rewards import RewardCombiner, TrainerState, accuracy
 
 
@@ -49,10 +59,10 @@ def fit(tmp_path, module, data, epochs: int = 2, **options) -> L.Trainer:
 
 def small(**options) -> OnPolicyDataModule:
     settings = dict(
-        val_size=2,
+        held_out=HeldOutSpec(size=2),
         prompts_per_epoch=2,
         batch_size=4,
-        max_prompt_length=512,
+        prompt=PromptSpec(max_length=512),
         sampling=SamplingSpec(group_size=2, max_new_tokens=6),
     )
     return OnPolicyDataModule(**{**settings, **options})
@@ -67,9 +77,9 @@ def test_trls_2048_environment_class_and_a_reward_reading_environments_train_two
 
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": PROMPT}] for _ in range(12)]})
     data = small(
-        source=dataset,
+        source=SourceSpec(dataset),
         rewards=[recorded],
-        val_reward=reward_score,
+        held_out=HeldOutSpec(size=2, reward=reward_score),
         episodes=EpisodesSpec(environment=Game2048, max_turns=2, max_episode_tokens=24),
     )
     trainer = fit(tmp_path, module(tiny_model_dir), data)
@@ -88,9 +98,9 @@ def test_an_environment_factory_builds_each_episodes_game(tmp_path, tiny_model_d
         return built[-1]
 
     data = small(
-        source=[{"prompt": PROMPT}] * 10,
+        source=SourceSpec([{"prompt": PROMPT}] * 10),
         rewards=[reward_score],
-        val_reward=reward_score,
+        held_out=HeldOutSpec(size=2, reward=reward_score),
         episodes=EpisodesSpec(environment=factory, max_turns=1, max_episode_tokens=12),
     )
     fit(tmp_path, module(tiny_model_dir), data, epochs=1, limit_val_batches=0)
@@ -144,7 +154,11 @@ def test_a_reward_naming_trainer_state_sees_the_global_step_advance(tmp_path, ti
         return [float(len(ids)) for ids in completion_ids]
 
     trainer = fit(
-        tmp_path, module(tiny_model_dir), small(train_size=20, rewards=[curriculum]), epochs=3, limit_val_batches=0
+        tmp_path,
+        module(tiny_model_dir),
+        small(source=SourceSpec(train_size=20), rewards=[curriculum]),
+        epochs=3,
+        limit_val_batches=0,
     )
     assert steps == [(0, 0, 3), (1, 1, 3), (2, 2, 3)]
     assert float(trainer.callback_metrics["curriculum/level"]) == 2.0
@@ -171,10 +185,14 @@ def test_async_rewards_are_awaited_together():
 def test_a_dataset_dict_and_a_list_of_rows_train(tmp_path, tiny_model_dir):
     rows = [{"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(20)]
     splits = DatasetDict({"train": Dataset.from_list(rows[4:]), "test": Dataset.from_list(rows[:4])})
-    data = small(source=splits, val_split="test", columns={"prompt": "question"}, rewards=[accuracy])
+    data = small(
+        source=SourceSpec(splits, columns={"prompt": "question"}),
+        held_out=HeldOutSpec(split="test", size=2),
+        rewards=[accuracy],
+    )
     assert fit(tmp_path, module(tiny_model_dir), data, epochs=1).global_step == 1
     assert len(data.train_rows) == 16 and len(data.val_rows) == 2
-    data = small(source=rows, columns={"prompt": "question"}, rewards=[accuracy])
+    data = small(source=SourceSpec(rows, columns={"prompt": "question"}), rewards=[accuracy])
     assert fit(tmp_path / "list", module(tiny_model_dir), data, epochs=1, limit_val_batches=0).global_step == 1
 
 
@@ -186,8 +204,8 @@ def unknown_argument(completions, judge_model, **kwargs):
     "options, message",
     [
         (
-            {"source": Dataset.from_dict({"question": ["q"] * 8})},
-            r"data.source='<a Dataset of 8 rows>' has no 'prompt' column; map one with data.columns",
+            {"source": SourceSpec(Dataset.from_dict({"question": ["q"] * 8}))},
+            r"data.source.dataset='<a Dataset of 8 rows>' has no 'prompt' column; map one with data.source.columns",
         ),
         (
             {"rewards": [unknown_argument]},
@@ -198,10 +216,14 @@ def unknown_argument(completions, judge_model, **kwargs):
             {"episodes": EpisodesSpec(environment=lambda: object())},
             r"data.episodes.environment: .*<lambda> returns a object, which has no reset\(self, \*\*row\) method",
         ),
-        ({"source": [1, 2]}, r"data.source is a list of 2 items; expected a non-empty list of row dicts"),
     ],
 )
 def test_trl_shaped_mistakes_get_one_line_naming_the_field(tiny_model_dir, options, message):
     with pytest.raises(ValueError, match=message):
         data = small(**options)
         data.setup("fit")
+
+
+def test_rows_that_are_not_row_dicts_are_refused_when_the_source_is_built():
+    with pytest.raises(ValueError, match=r"data.source.dataset is a list of 2 items; expected a non-empty list of row"):
+        SourceSpec([1, 2])

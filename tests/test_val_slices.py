@@ -1,4 +1,4 @@
-"""Held-out slices (``data.val_slices``): questions of a form training never sees, scored and logged apart;
+"""Held-out slices (``data.held_out.slices``): questions of a form training never sees, scored and logged apart;
 and the task options that make such forms (per-operand digits, a mix of option sets)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import pytest
 from lit_grpo.cli import main
 from lit_grpo.data.grpo import OnPolicyDataModule
 from lit_grpo.data.sources import load_rows
+from lit_grpo.data.specs import HeldOutSpec, SourceSpec
 from lit_grpo.data.tasks import arithmetic
 from lit_grpo.evaluation.evaluate import main as eval_main
 from lit_grpo.evaluation.evaluate import table
@@ -40,17 +41,22 @@ def test_a_mix_draws_each_option_set_evenly_and_interleaved():
     rows = load_rows("arithmetic", "train", mix, seed=5, size=9)
     assert [operand_digits(r) for r in rows] == [(2, 2), (2, 3)] * 4 + [(2, 2)]  # 5 + 4, alternating
     assert rows[::2] == arithmetic(5, seed=5, digits=2, ops="+")  # the first set: the unmixed task's rows
-    data = OnPolicyDataModule(task_args=mix, train_size=100, val_size=8, val_slices=SLICE)
+    data = OnPolicyDataModule(
+        source=SourceSpec(task_args=mix, train_size=100), held_out=HeldOutSpec(size=8, slices=SLICE)
+    )
     data.setup()
     assert {operand_digits(r) for r in data.val_rows} == {(2, 2), (2, 3)}
     assert {operand_digits(r) for r in data.val_slices["3+2"]} == {(3, 2)}  # overrides the mix's first set
-    with pytest.raises(ValueError, match=r"data.task_args=\[\]; expected the task's options, or a non-empty list"):
-        load_rows("arithmetic", "train", [], seed=0, size=4)
+    with pytest.raises(
+        ValueError, match=r"data.source.task_args=\[\]; expected the task's options, or a non-empty list"
+    ):
+        OnPolicyDataModule(source=SourceSpec(task_args=[], train_size=4)).setup()
 
 
 def test_slices_are_disjoint_from_training_and_of_their_own_form():
     data = OnPolicyDataModule(
-        task_args={"digits": 2, "ops": "+"}, train_size=200, val_size=16, val_slices={"2+2": {}, **SLICE}
+        source=SourceSpec(task_args={"digits": 2, "ops": "+"}, train_size=200),
+        held_out=HeldOutSpec(size=16, slices={"2+2": {}, **SLICE}),
     )
     data.setup()
     taken = {row["prompt"] for row in data.train_rows + data.val_rows}
@@ -64,39 +70,46 @@ def test_slices_are_disjoint_from_training_and_of_their_own_form():
 def test_a_slice_of_a_small_task_takes_what_it_has():
     # 1-digit sums: 100 questions in all, fewer than the 4 x val_size spare rows a slice asks for first.
     data = OnPolicyDataModule(
-        task_args={"digits": 2, "ops": "+"}, train_size=100, val_size=64, val_slices={"1+1": {"digits": 1}}
+        source=SourceSpec(task_args={"digits": 2, "ops": "+"}, train_size=100),
+        held_out=HeldOutSpec(size=64, slices={"1+1": {"digits": 1}}),
     )
     data.setup()
     assert len(data.val_slices["1+1"]) == 64
-    with pytest.raises(ValueError, match=r"data.val_slices\['1\+1'\]=.*it has 100 distinct ones.*val_size=200"):
+    with pytest.raises(
+        ValueError, match=r"data.held_out.slices\['1\+1'\]=.*it has 100 distinct ones.*held_out.size=200"
+    ):
         OnPolicyDataModule(
-            task_args={"digits": 2, "ops": "+"}, train_size=300, val_size=200, val_slices={"1+1": {"digits": 1}}
+            source=SourceSpec(task_args={"digits": 2, "ops": "+"}, train_size=300),
+            held_out=HeldOutSpec(size=200, slices={"1+1": {"digits": 1}}),
         ).setup()
 
 
 @pytest.mark.parametrize(
     "source, slices, message",
     [
-        ("arithmetic", {"a/b": {}}, r"data.val_slices\['a/b'\]=\{\}; expected a name without '/'"),
+        ("arithmetic", {"a/b": {}}, r"data.held_out.slices\['a/b'\]=\{\}; expected a name without '/'"),
         (
             "arithmetic",
             {"1-digit": {"digits": 1, "ops": "+"}},
-            r"data.val_slices\['1-digit'\]=.*every question it generates is also a training prompt",
+            r"data.held_out.slices\['1-digit'\]=.*every question it generates is also a training prompt",
         ),
     ],
 )
 def test_bad_slices_are_refused_before_any_compute(source, slices, message):
     with pytest.raises(ValueError, match=message):
         OnPolicyDataModule(
-            source=source, task_args={"digits": 1, "ops": "+"}, train_size=96, val_size=4, val_slices=slices
+            source=SourceSpec(dataset=source, task_args={"digits": 1, "ops": "+"}, train_size=96),
+            held_out=HeldOutSpec(size=4, slices=slices),
         ).setup()
 
 
 def test_slices_of_a_quickstart_config_on_ones_own_file_are_ignored_with_a_warning(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) + "\n" for i in range(20)))
-    with pytest.warns(UserWarning, match=r"data.val_slices=.*ignored: they are held-out questions of the built-in"):
-        data = OnPolicyDataModule(source=str(path), val_size=4, val_slices=SLICE)
+    with pytest.warns(
+        UserWarning, match=r"data.held_out.slices=.*ignored: they are held-out questions of the built-in"
+    ):
+        data = OnPolicyDataModule(source=SourceSpec(str(path)), held_out=HeldOutSpec(size=4, slices=SLICE))
     data.setup()
     assert data.val_slices == {} and list(data.val_sets()) == ["val/accuracy"] and len(data.train_rows) == 16
 
@@ -106,13 +119,13 @@ def test_fit_logs_each_slice_before_and_during_training_and_eval_scores_them(tin
     slices = json.dumps(SLICE)
     common = [
         f"--model.policy.name_or_path={tiny_model_dir}",
-        "--data.val_size=4",
-        "--data.train_size=16",
+        "--data.held_out.size=4",
+        "--data.source.train_size=16",
         "--data.prompts_per_epoch=2",
         "--data.batch_size=4",
         "--data.sampling.group_size=2",
         "--data.sampling.max_new_tokens=4",
-        f"--data.val_slices={slices}",
+        f"--data.held_out.slices={slices}",
     ]
     main(
         [

@@ -28,6 +28,7 @@ from test_module import length_reward
 from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.data.grpo import OnPolicyDataModule
 from lit_grpo.data.prompts import chat_prompts
+from lit_grpo.data.specs import HeldOutSpec, SourceSpec
 from lit_grpo.generation import GenerationSpec
 from lit_grpo.generation.native import NativeEngine
 from lit_grpo.generation.rollout import SamplingSpec, encode_prompts
@@ -78,9 +79,8 @@ def make(model_dir, **generation):
     data = OnPolicyDataModule(
         prompts_per_epoch=2,
         batch_size=8,
-        val_size=4,
-        train_size=40,
-        val_batch_size=4,
+        held_out=HeldOutSpec(size=4, batch_size=4),
+        source=SourceSpec(train_size=40),
         sampling=SamplingSpec(group_size=4, max_new_tokens=12),
         rewards=[length_reward],
     )
@@ -223,7 +223,7 @@ def test_ddp_two_ranks_one_engine_each(tmp_path, model_dir):
         "2",
         "--data.batch_size",
         "8",
-        "--data.val_size",
+        "--data.held_out.size",
         "4",
         "--data.sampling.max_new_tokens",
         "8",

@@ -22,6 +22,7 @@ import torch
 
 from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.data.grpo import OnPolicyDataModule
+from lit_grpo.data.specs import HeldOutSpec, SourceSpec
 from lit_grpo.generation import GenerationSpec
 from lit_grpo.generation.rollout import SamplingSpec
 from lit_grpo.model.policy import LoraSpec, PolicySpec
@@ -119,7 +120,9 @@ def module_on(url: str | None) -> GRPOModule:
 
 
 def test_greedy_answers_equal_the_native_engines_and_each_version_is_a_new_adapter(server):
-    data = OnPolicyDataModule(train_size=20, val_size=4, sampling=SamplingSpec(max_new_tokens=16))
+    data = OnPolicyDataModule(
+        source=SourceSpec(train_size=20), held_out=HeldOutSpec(size=4), sampling=SamplingSpec(max_new_tokens=16)
+    )
     native, remote = module_on(None), module_on(server)
     for module in (native, remote):
         data.trainer = L.Trainer(accelerator="cpu", logger=False)
@@ -146,8 +149,8 @@ def test_a_fit_samples_on_the_server_one_step_ahead(server, tmp_path):
         generation=GenerationSpec(backend="vllm_server", urls=[server]),
     )
     data = OnPolicyDataModule(
-        train_size=40,
-        val_size=4,
+        source=SourceSpec(train_size=40),
+        held_out=HeldOutSpec(size=4),
         prompts_per_epoch=2,
         batch_size=16,
         staleness=1,
@@ -190,7 +193,7 @@ def test_greedy_episodes_on_the_server_equal_the_native_engines(server):
     from lit_grpo.environments import Toolbox
     from lit_grpo.generation.episodes import EpisodePlan
 
-    data = OnPolicyDataModule(train_size=20, val_size=4)
+    data = OnPolicyDataModule(source=SourceSpec(train_size=20), held_out=HeldOutSpec(size=4))
     native, remote = module_on(None), module_on(server)
     for module in (native, remote):
         data.trainer = L.Trainer(accelerator="cpu", logger=False)
@@ -228,8 +231,8 @@ def test_a_server_without_runtime_lora_loading_is_refused_before_training(tmp_pa
             generation=GenerationSpec(backend="vllm_server", urls=[url]),
         )
         data = OnPolicyDataModule(
-            train_size=20,
-            val_size=4,
+            source=SourceSpec(train_size=20),
+            held_out=HeldOutSpec(size=4),
             prompts_per_epoch=2,
             batch_size=16,
             sampling=SamplingSpec(group_size=8, max_new_tokens=8),
@@ -280,8 +283,8 @@ def test_a_server_that_dies_mid_run_stops_it_with_a_checkpoint_that_resumes(serv
             generation=GenerationSpec(backend="vllm_server", urls=[url], timeout=60),
         )
         data = OnPolicyDataModule(
-            train_size=40,
-            val_size=4,
+            source=SourceSpec(train_size=40),
+            held_out=HeldOutSpec(size=4),
             prompts_per_epoch=2,
             batch_size=16,
             staleness=staleness,

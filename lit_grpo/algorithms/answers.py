@@ -62,7 +62,7 @@ def greedy_accuracy(
     weights = [1.0] * len(mine) + [0.0] * (share - len(mine))
     mine += rows[: share - len(mine)]
     metric = MeanMetric().to(module.device)
-    size = datamodule.hparams.val_batch_size
+    size = datamodule.held_out.batch_size
     for start in range(0, share, size):
         batch = datamodule.collate_val(mine[start : start + size])
         _, scores = answer_batch(module, datamodule, batch)

@@ -49,7 +49,7 @@ class GRPOModule(OnPolicyModule):
         policy: Which model to train, its adapter, quantization and dtype.
         beta: Weight of the k3 KL penalty to the reference policy; 0 skips the
             reference forward pass entirely. Under an estimator that puts the
-            KL into its rewards (``data.advantage_estimator: reinforce_pp``)
+            KL into its rewards (``data.advantage.estimator: reinforce_pp``)
             it weighs the k1 KL inside the per-token rewards instead, and the
             loss has no KL term.
         epsilon_low: Lower clip range of the ratio (1 - epsilon_low).
@@ -80,7 +80,7 @@ class GRPOModule(OnPolicyModule):
             trainer shows its own, ``trainer.enable_progress_bar``) and a
             line per epoch with its reward, accuracy and time.
         validate_before_training: Score the validation prompts (and each
-            ``data.val_slices`` slice) once before the first step (logged as
+            ``data.held_out.slices`` slice) once before the first step (logged as
             ``val/accuracy``, ``val/<slice>/accuracy`` at step 0), so the gain is visible.
         skip_zero_gradient_rows: With ``beta == 0``, leave rows with zero
             advantage (collapsed groups) out of the forward and backward passes;

@@ -31,6 +31,7 @@ from lit_grpo.model.hardware import peak_bandwidth, peak_flops
 from lit_grpo.model.logprob_passes import completion_logprobs
 from lit_grpo.model.policy import PolicySpec
 from lit_grpo.rollout.producer import MAX_STATS
+from lit_grpo.training.summary import PhaseLine
 from lit_grpo.training.throughput import EpochThroughput, FlopModel
 
 # The rollout columns a scoring pass reads (and an episode's attention mask, where the rollout has one).
@@ -90,10 +91,12 @@ class OnPolicyModule(PolicyModule):
         return self._engine
 
     def show_progress(self, description: str, total: int | None = None, unit: str = "step"):
-        """A progress bar (decoding steps, or another ``unit``) for a phase on rank 0, or ``None``."""
-        shown = self._trainer is None or self._trainer.progress_bar_callback is not None
-        if not (self.hparams.progress and shown) or self.global_rank != 0:
+        """A progress bar (decoding steps, or another ``unit``) for a phase on rank 0; a line at its end
+        where the trainer shows no progress bar; ``None`` on the other ranks or without ``progress``."""
+        if not self.hparams.progress or self.global_rank != 0:
             return None
+        if self._trainer is not None and self._trainer.progress_bar_callback is None:
+            return PhaseLine(description, unit)
         return tqdm(desc=description, total=total, unit=unit, leave=False, dynamic_ncols=True)
 
     @torch.no_grad()
@@ -106,18 +109,20 @@ class OnPolicyModule(PolicyModule):
         ``reference=True`` scores with the reference policy (the adapter
         disabled, or the frozen copy under full fine-tuning).
         """
+        bar = self.show_progress(f"{'reference' if reference else 'old'} log-probs", len(rows["prompt_ids"]), "row")
         with self.reference_model() if reference else contextlib.nullcontext(self.policy) as model:
             was_training = model.training
             model.eval()
             logprobs = self.score_rollout(
-                rows, lambda **part: completion_logprobs(model, **part, temperature=temperature)[0], batch_size
+                rows, lambda **part: completion_logprobs(model, **part, temperature=temperature)[0], batch_size, bar
             )
             model.train(was_training)
         return logprobs
 
-    def score_rollout(self, rows: dict, score, batch_size: int | None = None) -> torch.Tensor:
+    def score_rollout(self, rows: dict, score, batch_size: int | None = None, progress=None) -> torch.Tensor:
         """``score(**part)`` over the rollout's rows, ``batch_size`` at a time (``None``: all at once),
-        concatenated on the CPU: ``[N, C]``.
+        concatenated on the CPU: ``[N, C]`` (``progress``: a bar advanced by the rows scored, closed at
+        the end).
 
         ``part`` holds a micro-batch's ``prompt_ids``, ``prompt_mask``,
         ``completion_ids`` and ``completion_mask`` on the module's device, and
@@ -129,6 +134,10 @@ class OnPolicyModule(PolicyModule):
         for start in range(0, rows["prompt_ids"].shape[0], size):
             part = {k: rows[k][start : start + size].to(self.device) for k in keys}
             out.append(score(**part).float().cpu())
+            if progress is not None:
+                progress.update(len(out[-1]))
+        if progress is not None:
+            progress.close()
         return torch.cat(out)  # [N, C]
 
     def _log_rollout_stats(self, batch: dict) -> None:

@@ -98,7 +98,7 @@ class PPOModule(OnPolicyModule):
     EPISODES_REFUSED = (
         "its critic's GAE runs over every completion position, tool tokens included, and is "
         "not defined on the policy's turns alone yet; train tools with GRPOModule "
-        "(data.advantage_estimator grpo, rloo or reinforce_pp)."
+        "(data.advantage.estimator grpo, rloo or reinforce_pp)."
     )
     merges_for_generation = False  # rollouts decode through the actor adapter, see the module docstring
 

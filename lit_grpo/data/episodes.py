@@ -48,7 +48,7 @@ class EpisodesSpec:
             tools' (``sampling.max_new_tokens`` counts the model's only);
             ``None``: twice ``sampling.max_new_tokens``.
         turn_prefix: Text every assistant turn after a tool result starts
-            with, as ``data.completion_prefix`` is for the first (for example the
+            with, as ``data.prompt.completion_prefix`` is for the first (for example the
             call's first words, so that later turns call too): appended to the
             tool results as tokens the policy reads and is not trained on.
         environment_reward_weight: Weight of the environment's ``get_reward()``.
@@ -188,19 +188,19 @@ class EpisodeSetup:
         shared = all(len(set(resets[i : i + repeat])) == 1 for i in range(0, len(resets), repeat))
         step = repeat if shared else 1  # one prompt per row, or one per episode
         prompt_rows = rows if shared else [row for row in rows for _ in range(repeat)]
-        tokenizer, hp = datamodule.trainer.lightning_module.tokenizer, datamodule.hparams
+        tokenizer, prompt = datamodule.trainer.lightning_module.tokenizer, datamodule.prompt
         ids, mask = encode_prompts(
             tokenizer,
             self.prompts(datamodule, prompt_rows, resets[::step], toolboxes[::step]),
-            hp.max_prompt_length,
-            hp.prompt_overflow,
+            prompt.max_length,
+            prompt.overflow,
         )
         spec = EpisodePlan(
             toolboxes,
             self.call_format(tokenizer),
             self.max_turns,
             self.max_episode_tokens,
-            hp.completion_prefix,
+            prompt.completion_prefix,
             self.turn_prefix,
             environments if self.factory else [],
         )
@@ -220,17 +220,17 @@ class EpisodeSetup:
         toolboxes: list[Toolbox] | None = None,
     ) -> list[str]:
         """Chat-formatted prompts with the tools described (and each row's reset text), the prefix after."""
-        tokenizer, hp = datamodule.trainer.lightning_module.tokenizer, datamodule.hparams
+        tokenizer, prompt = datamodule.trainer.lightning_module.tokenizer, datamodule.prompt
         if resets is None:  # prompts to measure or show: a fresh environment per row
             started = [self.factory.new(row) if self.factory else (None, None, self.toolbox) for row in rows]
             resets, toolboxes = [text for _, text, _ in started], [box for _, _, box in started]
         fmt, texts = self.call_format(tokenizer), []
         for row, reset, toolbox in zip(rows, resets, toolboxes):
-            messages = prompt_messages(row["prompt"], hp.system_prompt, hp.prompt_template, reset)
+            messages = prompt_messages(row["prompt"], prompt.system_prompt, prompt.template, reset)
             messages = fmt.system_prompt(tokenizer, messages, toolbox.schemas)
             extra = {"tools": toolbox.schemas} if isinstance(fmt, TemplateFormat) else {}
             texts.append(
                 tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
-                + hp.completion_prefix
+                + prompt.completion_prefix
             )
         return texts

@@ -7,7 +7,7 @@ DataModule hands the epoch's next prompts to its
 completions each from the *current* policy (the LightningModule it is
 attached to), scores them, adds reference and old log-probs where the
 objective needs them and turns rewards into advantages
-(``advantage_estimator``); the DataModule serves the scored rollout as
+(``data.advantage``); the DataModule serves the scored rollout as
 micro-batches. Under DDP/FSDP every rank does this for its own share of the
 prompts; a group never spans ranks. docs/design.md draws the whole step.
 
@@ -22,7 +22,6 @@ that were still to come.
 from __future__ import annotations
 
 import random
-from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -33,7 +32,8 @@ from lit_grpo.data.buffer import OnDemand, RolloutBuffer
 from lit_grpo.data.episodes import EpisodeSetup, EpisodesSpec
 from lit_grpo.data.prompts import chat_prompts, check_prompt_lengths, columns_of
 from lit_grpo.data.setup_checks import check_prompt_budget, choose_estimator
-from lit_grpo.data.sources import check_slices, held_out_slices, in_memory, load_rows, rename_columns, split_rows
+from lit_grpo.data.sources import GROUPED, check_slices, held_out_slices, load_rows, rename_columns, split_rows
+from lit_grpo.data.specs import AdvantageSpec, HeldOutSpec, PromptSpec, SourceSpec
 from lit_grpo.data.tasks import TooFewQuestions
 from lit_grpo.generation.rollout import SamplingSpec, encode_prompts
 from lit_grpo.rewards import Accuracy, Format, Reward, RewardCombiner, TrainerState
@@ -47,69 +47,26 @@ class OnPolicyDataModule(L.LightningDataModule):
     """Prompts in, scored on-policy rollouts out, regenerated every epoch.
 
     Args:
-        source: A built-in task (``arithmetic``, ``countdown``,
-            ``word_problems``), a local ``.json/.jsonl/.parquet/.csv`` file,
-            or a hub dataset (``name`` or ``name:config``); in Python also the
-            rows themselves: a list of dicts, a ``datasets.Dataset`` or
-            ``DatasetDict`` (TRL's ``train_dataset``). A prompt is text or a
-            conversation (a list of ``{role, content}`` messages).
-        split: Training split of a file or hub source.
-        val_split: Held-out split; ``None`` holds out ``val_size`` rows of the
-            training split instead (built-in tasks generate a disjoint set).
-        val_size: Validation prompts (and prompts per slice of ``val_slices``).
-        val_slices: Further held-out sets of a built-in task, each scored
-            like the validation prompts and logged as ``val/<name>/accuracy``:
-            name -> task options that override ``task_args`` (``{"3+2":
-            {"digits": [3, 2]}}``: questions the training distribution does
-            not cover; the first set of a ``task_args`` mix is overridden).
-            Prompts also in training are dropped.
-        task_args: Options of a built-in task (e.g. ``{"digits": 2, "ops": "+"}``),
-            or a list of them: a mix, each set generating an equal share of
-            the rows (``[{"digits": 2}, {"digits": [2, 3]}]``).
-        train_size: Rows a built-in task generates for training.
-        columns: Our column name -> the dataset's (``{"prompt": "question"}``).
-            ``prompt`` is required; other columns reach the reward functions.
-        system_prompt: Optional system message of the chat template.
-        prompt_template: Format string wrapping each prompt (``{prompt}``).
-        completion_prefix: Text the assistant's reply starts with, put after the
-            chat template (``<think>`` opens the reasoning, as R1-Zero's template
-            does): the policy continues from it, and the rewards, validation and
-            the samples file read it in front of each completion.
-        max_prompt_length: Longest prompt in tokens.
-        prompt_overflow: ``error`` refuses longer prompts; ``truncate`` keeps
-            their last tokens and warns.
+        source: Where the prompts come from (:class:`~lit_grpo.data.specs.SourceSpec`: the
+            dataset, its split and columns, a built-in task's options).
+        held_out: The held-out prompts and their scoring (:class:`~lit_grpo.data.specs.HeldOutSpec`).
+        prompt: How a prompt is written: system prompt, template, completion prefix,
+            length (:class:`~lit_grpo.data.specs.PromptSpec`).
         sampling: How completions are sampled (group size, temperature, ...).
+        episodes: Tools and a multi-turn environment (:class:`~lit_grpo.data.episodes.EpisodesSpec`):
+            with either, every completion is an episode (:mod:`lit_grpo.data.episodes`).
+        rewards: Reward functions with their weights.
+        advantage: How rewards become advantages (:class:`~lit_grpo.data.specs.AdvantageSpec`).
         prompts_per_epoch: Prompts per rollout round, over all ranks.
         batch_size: Completions per micro-batch; must divide the rollout
             (``prompts_per_epoch / world_size * group_size``).
         num_iterations: Optimisation passes over each rollout (mu).
-        rewards: Reward functions with their weights.
-        advantage_scale: ``group`` (std of the group), ``batch`` (std of the
-            rollout) or ``none`` (Dr. GRPO: no scaling); read by ``grpo`` only.
-        advantage_estimator: ``grpo`` (group-normalised), ``rloo`` (leave one
-            out), ``reinforce_pp`` (REINFORCE++: per token, batch-whitened
-            returns with the module's ``beta`` x KL in the rewards) or ``gae``
-            (per token, from the module's critic: PPOModule); ``None`` takes
-            the module's first choice (``grpo`` for GRPOModule, ``gae`` for
-            PPOModule). ``grpo`` and ``rloo`` need group_size >= 2.
-        multi_objective_aggregation: With several rewards, ``sum_then_normalize``
-            normalises their weighted total in its group; ``normalize_then_sum``
-            (GDPO) normalises each reward in its group, sums them with their
-            weights and scales the sum by its std over the rollout, so a reward
-            with a large spread does not drown the others. Read by ``grpo`` only.
-        val_reward: Scores greedy validation answers (``val/accuracy``);
-            defaults to ``Accuracy``. In Python also a reward function, as
-            ``rewards`` takes (e.g. one that reads ``environments``).
-        val_batch_size: Prompts per validation batch.
         repeat: Cycle through the training prompts again (reshuffled) when
             they run out; without it, running out is an error.
         dynamic_sampling: DAPO dynamic sampling: replace groups whose rewards
             are all equal (zero advantage, no signal) with fresh prompts.
         max_sampling_rounds: Most rollout rounds dynamic sampling may spend
             filling one epoch's buffer.
-        seed: Seed of prompt order, task generation and sampling.
-        episodes: Tools and a multi-turn environment (:class:`~lit_grpo.data.episodes.EpisodesSpec`):
-            with either, every completion is an episode (:mod:`lit_grpo.data.episodes`).
         staleness: How many rollouts sampling may run ahead of training: 0
             (default) samples each epoch's rollout with the current weights; k
             samples epoch n+k's in a background thread, with the weights as
@@ -118,74 +75,52 @@ class OnPolicyDataModule(L.LightningDataModule):
             sampler with truncated importance sampling. Dynamic sampling's
             further rounds are sampled when the rollout is taken, by the
             current weights.
+        seed: Seed of prompt order, task generation and sampling.
     """
 
     def __init__(
         self,
-        source: str | Any = "arithmetic",
-        split: str = "train",
-        val_split: str | None = None,
-        val_size: int = 64,
-        val_slices: dict[str, dict] | None = None,
-        task_args: dict | list[dict] | None = None,
-        train_size: int = 2000,
-        columns: dict[str, str] | None = None,
-        system_prompt: str | None = None,
-        prompt_template: str = "{prompt}",
-        completion_prefix: str = "",
-        max_prompt_length: int | None = 256,
-        prompt_overflow: Literal["error", "truncate"] = "error",
+        source: SourceSpec | None = None,
+        held_out: HeldOutSpec | None = None,
+        prompt: PromptSpec | None = None,
         sampling: SamplingSpec | None = None,
+        episodes: EpisodesSpec | None = None,
+        rewards: list[Reward] | None = None,
+        advantage: AdvantageSpec | None = None,
         prompts_per_epoch: int = 4,
         batch_size: int = 32,
         num_iterations: int = 1,
-        rewards: list[Reward] | None = None,
-        advantage_scale: Literal["group", "batch", "none"] = "group",
-        advantage_estimator: Literal["grpo", "rloo", "reinforce_pp", "gae"] | None = None,
-        multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize",
-        val_reward: Reward | None = None,
-        val_batch_size: int = 64,
         repeat: bool = True,
         dynamic_sampling: bool = False,
         max_sampling_rounds: int = 4,
-        seed: int = 0,
-        episodes: EpisodesSpec | None = None,
         staleness: int = 0,
+        seed: int = 0,
     ) -> None:
         super().__init__()
-        self.source = in_memory(source)  # a name or path; or rows handed over in Python
-        self.save_hyperparameters(ignore=["rewards", "val_reward", "sampling", "episodes", "source"])
-        self.hparams.source = source if isinstance(source, str) else repr(self.source)
+        self.save_hyperparameters(
+            ignore=["source", "held_out", "prompt", "sampling", "episodes", "rewards", "advantage"]
+        )
+        self.source = source or SourceSpec()
+        self.held_out = held_out or HeldOutSpec()
+        self.prompt = prompt or PromptSpec()
         self.sampling = sampling or SamplingSpec()
+        self.advantage = advantage or AdvantageSpec()
         rewards = rewards if rewards is not None else [Accuracy(), Format()]
-        self.val_reward = val_reward or Accuracy()
+        self.val_reward = self.held_out.reward or Accuracy()
         self.val_scorer = RewardCombiner([self.val_reward])
         for name, value in (
             ("prompts_per_epoch", prompts_per_epoch),
             ("batch_size", batch_size),
             ("num_iterations", num_iterations),
-            ("val_size", val_size),
         ):
             if value < 1:
                 raise ValueError(f"data.{name}={value}; expected >= 1.")
-        if multi_objective_aggregation not in ("sum_then_normalize", "normalize_then_sum"):
-            raise ValueError(
-                f"data.multi_objective_aggregation={multi_objective_aggregation!r}; expected "
-                "sum_then_normalize or normalize_then_sum."
-            )
-        if multi_objective_aggregation == "normalize_then_sum" and advantage_estimator not in (None, "grpo"):
-            raise ValueError(
-                f"data.multi_objective_aggregation='normalize_then_sum' with data.advantage_estimator="
-                f"{advantage_estimator!r}; it normalises each reward in its group: use grpo."
-            )
         if staleness < 0:
             raise ValueError(
                 f"data.staleness={staleness}; expected >= 0 (0: sample with the current weights, "
                 "k: up to k rollouts ahead of training)."
             )
-        check_slices(self.hparams.source, val_slices or {})
-        if "{prompt}" not in prompt_template:
-            raise ValueError(f"data.prompt_template={prompt_template!r} must contain '{{prompt}}'.")
+        check_slices(self.source.label, self.held_out.slices or {})
         self.position = 0  # next unused prompt in the current pass
         self.passes = 0  # completed passes over the training prompts
         self.rollout_epoch = -1  # last epoch whose rollout consumed prompts
@@ -198,7 +133,7 @@ class OnPolicyDataModule(L.LightningDataModule):
         self.restored: dict | None = None  # a rollout restored from a checkpoint saved inside its epoch
         self.ahead: SamplingAhead | None = None  # data.staleness > 0: the rollouts sampling ahead
         self.pending: list[dict] = []  # rollouts to sample ahead again, restored from a checkpoint
-        self.advantage_estimator = advantage_estimator or "grpo"  # resolved against the module in setup
+        self.advantage_estimator = self.advantage.estimator or "grpo"  # resolved against the module in setup
         self.episodes_spec = episodes or EpisodesSpec()
         self.episodes = None  # tools / an environment: every completion is an episode
         if self.episodes_spec.active:
@@ -220,52 +155,53 @@ class OnPolicyDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_rows:
             return
-        hp = self.hparams
+        source, held_out, seed = self.source, self.held_out, self.hparams.seed
         self.train_rows, self.val_rows = split_rows(
-            self._load, hp.source, hp.split, hp.val_split, hp.train_size, hp.val_size
+            self._load, source.label, source.split, held_out.split, source.train_size, held_out.size, GROUPED
         )
         self.val_slices = held_out_slices(
-            hp.source,
-            hp.val_slices or {},
-            hp.task_args,
-            hp.columns or {},
-            hp.seed,
-            hp.val_size,
+            source.label,
+            held_out.slices or {},
+            source.task_args,
+            source.columns or {},
+            seed,
+            held_out.size,
             self.train_rows + self.val_rows,
         )
         choose_estimator(self)  # first: a group size the estimator refuses also breaks the budget
         check_prompt_budget(self)
-        self.rewards.check_columns(list(self.train_rows[0]), hp.source)
+        self.rewards.check_columns(list(self.train_rows[0]), source.label)
         for rows in self.val_sets().values():
-            self.val_scorer.check_columns(list(rows[0]), hp.source)
+            self.val_scorer.check_columns(list(rows[0]), source.label)
         check_prompt_lengths(self)
         if self.episodes is not None:
             self.episodes.check(self.train_rows + self.val_rows)
+        hp = self.hparams
         self.producer = RolloutProducer(
             self.sampling,
             self.rewards,
             self.advantage_estimator,
             self._encode_for_rollout,
             self.full_completions,
-            advantage_scale=hp.advantage_scale,
+            advantage_scale=self.advantage.scale,
             batch_size=hp.batch_size,
             num_iterations=hp.num_iterations,
             dynamic_sampling=hp.dynamic_sampling,
             max_sampling_rounds=hp.max_sampling_rounds,
-            multi_objective_aggregation=hp.multi_objective_aggregation,
+            multi_objective_aggregation=self.advantage.multi_objective_aggregation,
         )
 
     def _load(self, split: str, size: int) -> list[dict]:
-        hp = self.hparams
+        source = self.source
         try:
-            raw = load_rows(self.source, split, hp.task_args, hp.seed, size)
+            raw = load_rows(source.rows, split, source.task_args, self.hparams.seed, size, GROUPED)
         except TooFewQuestions as error:
             raise ValueError(
-                f"data.train_size={hp.train_size} + data.val_size={hp.val_size} rows asked of "
-                f"data.source={hp.source!r}: {error} Lower data.train_size, or widen "
-                "data.task_args (more digits or ops)."
+                f"data.source.train_size={source.train_size} + data.held_out.size={self.held_out.size} rows "
+                f"asked of data.source.dataset={source.label!r}: {error} Lower data.source.train_size, or "
+                "widen data.source.task_args (more digits or ops)."
             ) from None
-        return rename_columns(raw, hp.columns or {}, hp.source)
+        return rename_columns(raw, source.columns or {}, source.label, fields=GROUPED)
 
     def val_sets(self) -> dict[str, list[dict]]:
         """The held-out prompts by the metric their greedy accuracy is logged as."""
@@ -287,24 +223,22 @@ class OnPolicyDataModule(L.LightningDataModule):
         texts = chat_prompts(
             self.trainer.lightning_module.tokenizer,
             [row["prompt"] for row in rows],
-            self.hparams.system_prompt,
-            self.hparams.prompt_template,
+            self.prompt.system_prompt,
+            self.prompt.template,
         )
-        return [text + self.hparams.completion_prefix for text in texts]
+        return [text + self.prompt.completion_prefix for text in texts]
 
     def full_completions(self, completions: list[str]) -> list[str]:
         """Sampled completions as the reply reads: the completion prefix in front of each
         (an episode's final answer has it already where it belongs)."""
         if self.episodes is not None:
             return list(completions)
-        return [self.hparams.completion_prefix + text for text in completions]
+        return [self.prompt.completion_prefix + text for text in completions]
 
     def encode(self, rows: list[dict]):
         """Chat-format and tokenize prompts: ``(ids [B, P], mask [B, P])``."""
         tokenizer = self.trainer.lightning_module.tokenizer
-        return encode_prompts(
-            tokenizer, self.format_prompts(rows), self.hparams.max_prompt_length, self.hparams.prompt_overflow
-        )
+        return encode_prompts(tokenizer, self.format_prompts(rows), self.prompt.max_length, self.prompt.overflow)
 
     def _encode_for_rollout(self, rows: list[dict], repeat: int):
         """``(prompt_ids, prompt_mask, episodes, environments)`` of rows sampled ``repeat`` times each."""
@@ -523,7 +457,7 @@ class OnPolicyDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader | list[DataLoader]:
         loaders = [
-            DataLoader(rows, batch_size=self.hparams.val_batch_size, collate_fn=self.collate_val)
+            DataLoader(rows, batch_size=self.held_out.batch_size, collate_fn=self.collate_val)
             for rows in self.val_sets().values()
         ]
         return loaders if len(loaders) > 1 else loaders[0]
@@ -547,7 +481,7 @@ class OnPolicyDataModule(L.LightningDataModule):
     def score_validation(
         self, rows: list[dict], completions: list[str], environments: list | None = None
     ) -> torch.Tensor:
-        """Score greedy validation answers with ``val_reward``: ``[B]`` floats (0 where it does not apply).
+        """Score greedy validation answers with ``data.held_out.reward``: ``[B]`` floats (0 where it does not apply).
 
         ``completions`` are the sampled texts; the completion prefix is put in front here.
         ``environments``: each episode's environment, for a reward that reads them.

@@ -42,8 +42,8 @@ def prompt_messages(prompt, system_prompt: str | None, prompt_template: str, ext
     else:
         raise ValueError(
             f"a prompt is {str(prompt)[:80]!r} ({type(prompt).__name__}); expected text, or a "
-            "conversation: a list of {'role': ..., 'content': ...} messages (data.columns maps "
-            "another column to 'prompt')."
+            "conversation: a list of {'role': ..., 'content': ...} messages (the source's column map "
+            "can name another column as 'prompt')."
         )
     if system_prompt and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})
@@ -66,10 +66,10 @@ def check_prompt_lengths(data) -> None:
     """Chat-format and tokenize the training and validation prompts of an
     :class:`OnPolicyDataModule` once, at set-up, so that a prompt that is too long
     (or a tokenizer without a chat template) fails before any sampling, not in the
-    epoch that first draws it. Too long is longer than max_prompt_length, or than
+    epoch that first draws it. Too long is longer than data.prompt.max_length, or than
     the model's context less what may follow the prompt (sampling.max_new_tokens,
     or with tools data.episodes.max_episode_tokens, the tools' tokens included): past its
-    context a model samples for minutes, then garbage. (``val_slices`` are
+    context a model samples for minutes, then garbage. (``data.held_out.slices`` are
     built-in tasks' short questions, of the training prompts' form.)"""
     from lit_grpo.model.policy import PolicySpec, context_length
 
@@ -82,19 +82,20 @@ def check_prompt_lengths(data) -> None:
     if data.episodes is not None:  # an episode's tokens after the prompt, the tools' included
         after, field = data.episodes.max_episode_tokens, "data.episodes.max_episode_tokens"
     budget = None if context is None else context - after
-    hp, rows, n_train = data.hparams, data.train_rows + data.val_rows, len(data.train_rows)
+    source, held_out = data.source, data.held_out
+    rows, n_train = data.train_rows + data.val_rows, len(data.train_rows)
     for start in range(0, len(rows), 512):
         lengths = data.encode(rows[start : start + 512])[1].sum(1).tolist()  # prompt tokens per row
         over = [start + i for i, n in enumerate(lengths) if budget is not None and n > budget]
         if over:
             i, n = over[0], lengths[over[0] - start]
             # Where the row is in the user's data: the held-out rows come first in `split`.
-            split = hp.split if i < n_train or hp.val_split is None else hp.val_split
-            row = (i + (hp.val_size if hp.val_split is None else 0)) if i < n_train else i - n_train
+            split = source.split if i < n_train or held_out.split is None else held_out.split
+            row = (i + (held_out.size if held_out.split is None else 0)) if i < n_train else i - n_train
             raise ValueError(
-                f"data.source={hp.source!r} split {split!r} row {row}: the prompt has {n} tokens "
+                f"data.source.dataset={source.label!r} split {split!r} row {row}: the prompt has {n} tokens "
                 f"(chat template included), {n + after} with {field}={after}, more than the model's "
                 f"context of {context} (policy.name_or_path={spec.name_or_path!r}); shorten or drop the "
-                f"row, lower {field}, or set data.max_prompt_length={max(budget, 1)} "
-                "with data.prompt_overflow='truncate'."
+                f"row, lower {field}, or set data.prompt.max_length={max(budget, 1)} "
+                "with data.prompt.overflow='truncate'."
             )

@@ -7,22 +7,22 @@ from lit_grpo.rollout.estimators import ESTIMATORS
 
 
 def choose_estimator(data) -> None:
-    """Resolve ``advantage_estimator`` against what the module can train with, and its group size."""
+    """Resolve ``data.advantage.estimator`` against what the module can train with, and its group size."""
     module = data.trainer.lightning_module if data.trainer else None
     accepted = getattr(module, "ADVANTAGE_ESTIMATORS", ("grpo", "rloo"))
-    name = data.hparams.advantage_estimator or accepted[0]
+    name = data.advantage.estimator or accepted[0]
     if name not in ESTIMATORS or name not in accepted:
         owner = type(module).__name__ if module is not None else "GRPOModule"
         raise ValueError(
-            f"data.advantage_estimator={name!r}; {owner} trains with one of "
+            f"data.advantage.estimator={name!r}; {owner} trains with one of "
             f"{list(accepted)} (or null for {accepted[0]!r})."
         )
     G = data.sampling.group_size
     if ESTIMATORS[name].needs_group and G < 2:
         raise ValueError(
-            f"sampling.group_size={G}; expected >= 2 with data.advantage_estimator={name!r} (its baseline "
+            f"sampling.group_size={G}; expected >= 2 with data.advantage.estimator={name!r} (its baseline "
             "comes from the other completions of the same prompt); sample more per prompt, or train a "
-            "critic (PPOModule, advantage_estimator 'gae'), which works with 1."
+            "critic (PPOModule, data.advantage.estimator 'gae'), which works with 1."
         )
     if data.hparams.dynamic_sampling and G < 2:
         raise ValueError(f"data.dynamic_sampling=true needs sampling.group_size >= 2, got {G}.")

@@ -226,7 +226,7 @@ def reasoning_gym(n: int, seed: int, name: str | None = None, **config) -> list[
     scorer reads; :class:`~lit_grpo.rewards.ReasoningGym` scores with it).
 
     Args:
-        n: Rows (``data.train_size`` + ``data.val_size``, or a slice's size).
+        n: Rows (the training rows plus the held-out ones, or a slice's size).
         seed: The generator's seed (``data.seed``).
         name: The task, e.g. ``basic_arithmetic``, ``chain_sum``, ``leg_counting``.
         config: The task's own options (``min_terms``, ``max_digits``, ...).
@@ -239,7 +239,7 @@ def reasoning_gym(n: int, seed: int, name: str | None = None, **config) -> list[
         import reasoning_gym
     except ImportError:
         raise ValueError(
-            "data.source='reasoning_gym' needs the reasoning-gym package: pip install "
+            "data.source.dataset='reasoning_gym' needs the reasoning-gym package: pip install "
             "'lit_grpo[reasoning]' (or pip install reasoning-gym)."
         ) from None
     tasks = sorted(reasoning_gym.factory.DATASETS)
@@ -247,19 +247,20 @@ def reasoning_gym(n: int, seed: int, name: str | None = None, **config) -> list[
         close = difflib.get_close_matches(str(name), tasks, n=5, cutoff=0.5)
         hint = f"close ones: {close}" if close else f"its {len(tasks)} tasks begin {tasks[:8]}"
         raise ValueError(
-            f"data.task_args.name={name!r} is not a reasoning-gym task; {hint} "
+            f"data.source.task_args.name={name!r} is not a reasoning-gym task; {hint} "
             "(reasoning_gym.factory.DATASETS lists them all)."
         )
-    for key, ours in (("size", "data.train_size"), ("seed", "data.seed")):
+    for key, ours in (("size", "data.source.train_size"), ("seed", "data.seed")):
         if key in config:
             raise ValueError(
-                f"data.task_args.{key}={config[key]!r}: reasoning-gym's {key} is {ours} here; drop it from task_args."
+                f"data.source.task_args.{key}={config[key]!r}: reasoning-gym's {key} is {ours} here; "
+                "drop it from task_args."
             )
     try:
         dataset = reasoning_gym.create_dataset(name, size=n, seed=seed, **config)
     except (TypeError, ValueError, AssertionError) as error:
         raise ValueError(
-            f"data.task_args={{'name': {name!r}, **{config!r}}}: reasoning-gym refuses them: {error}"
+            f"data.source.task_args={{'name': {name!r}, **{config!r}}}: reasoning-gym refuses them: {error}"
         ) from None
     return [
         {"prompt": entry["question"], "answer": str(entry["answer"]), "metadata": entry["metadata"]}

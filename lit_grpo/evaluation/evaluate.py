@@ -19,7 +19,7 @@ adapter a run exported, and scores with the run's own validation reward:
   ``max_guesses``, whatever a shaping reward adds to lost ones), else a reward
   above 0.
 
-It prints a table row for the validation prompts and one per ``data.val_slices``
+It prints a table row for the validation prompts and one per ``data.held_out.slices``
 slice and, with ``--out``, writes the figures as JSON (the slices' under ``slices``).
 With ``--transcripts FILE`` it also writes every greedy answer as a JSON line:
 ``set``, ``prompt``, the row's other ``columns``, ``completion``, ``score``, and
@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 
 from lit_grpo.algorithms.answers import answer_batch
 from lit_grpo.algorithms.grpo import GRPOModule
-from lit_grpo.cli_checks import OneLineErrorParser
+from lit_grpo.cli_checks import OneLineErrorParser, check_moved_keys
 from lit_grpo.data.grpo import OnPolicyDataModule
 from lit_grpo.environments.factory import environment_rewards
 from lit_grpo.generation.episodes import episode_stats
@@ -162,7 +162,7 @@ def evaluate(
     module and DataModule; each greedy answer is appended to ``transcripts`` when given (see the
     module docstring)."""
     rows = datamodule.val_rows if rows is None else rows
-    size = datamodule.hparams.val_batch_size
+    size = datamodule.held_out.batch_size
     greedy, passes, records, env_rewards, successes = [], {k: [] for k in pass_k}, [], [], []
     factory = datamodule.episodes.factory if datamodule.episodes is not None else None
     scored = factory is not None and factory.has_reward  # an environment that scores its episodes
@@ -272,6 +272,7 @@ class EvalCli(LightningCLI):
 def main(argv: list[str]) -> dict[str, float]:
     """``lit-grpo eval [--config FIT.yaml] [--adapter DIR] [--samples N --pass_k K ...] [--out FILE]
     [--transcripts FILE]``."""
+    check_moved_keys(argv)
     cli = EvalCli(
         GRPOModule,
         OnPolicyDataModule,
@@ -323,7 +324,7 @@ def main(argv: list[str]) -> dict[str, float]:
 
 
 def table(result: dict) -> str:
-    """The figures as a Markdown table: the validation prompts' row, then one per ``data.val_slices`` slice."""
+    """The figures as a Markdown table: the validation prompts' row, then one per ``data.held_out.slices`` slice."""
     sets = {"validation": result, **result.get("slices", {})}
     columns = [
         "prompts",

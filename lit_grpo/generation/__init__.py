@@ -62,7 +62,7 @@ class GenerationSpec:
         kv_cache_gb: vLLM: memory reserved for its KV cache, in GiB (on a CPU
             this is RAM; vLLM's own default would take 90% of it).
         max_model_len: vLLM: longest prompt + completion in tokens; ``None``
-            takes ``data.max_prompt_length + sampling.max_new_tokens``.
+            takes ``data.prompt.max_length + sampling.max_new_tokens``.
         importance_sampling_cap: Truncated importance sampling (TIS, as in
             TRL and verl): weight each token's policy loss by
             ``min(pi_old / pi_sampler, cap)``, where ``pi_old`` is the

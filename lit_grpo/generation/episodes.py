@@ -58,7 +58,7 @@ class EpisodePlan:
         max_turns: Most assistant turns per episode.
         max_episode_tokens: Most tokens after the prompt, the policy's and the tools'.
         prefix: Text the reply starts with, already in the prompt
-            (``data.completion_prefix``): the first turn's text begins with it.
+            (``data.prompt.completion_prefix``): the first turn's text begins with it.
         turn_prefix: Text every later turn starts with (``data.episodes.turn_prefix``):
             queued after the tool results, tokenized with them, as tokens the
             policy reads but did not sample (masked out of the loss like the

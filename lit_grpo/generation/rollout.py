@@ -109,12 +109,12 @@ def encode_prompts(
         if long and overflow == "error":
             i = long[0]
             raise ValueError(
-                f"prompt {texts[i][:80]!r}... has {len(rows[i])} tokens > data.max_prompt_length="
-                f"{max_prompt_length}; raise the limit or set data.prompt_overflow='truncate'."
+                f"prompt {texts[i][:80]!r}... has {len(rows[i])} tokens > data.prompt.max_length="
+                f"{max_prompt_length}; raise the limit or set data.prompt.overflow='truncate'."
             )
         if long:
             warnings.warn(
-                f"{len(long)} prompt(s) longer than max_prompt_length={max_prompt_length} "
+                f"{len(long)} prompt(s) longer than data.prompt.max_length={max_prompt_length} "
                 "tokens were truncated from the left.",
                 stacklevel=2,
             )

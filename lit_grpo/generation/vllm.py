@@ -294,7 +294,7 @@ def _planned_length(module) -> int:
     datamodule = getattr(module.trainer, "datamodule", None) if module._trainer else None
     if datamodule is None:
         return 0
-    return (datamodule.hparams.max_prompt_length or 0) + datamodule.sampling.max_new_tokens
+    return (datamodule.prompt.max_length or 0) + datamodule.sampling.max_new_tokens
 
 
 def _distributed() -> bool:

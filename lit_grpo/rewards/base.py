@@ -179,15 +179,15 @@ class RewardCombiner:
             if unknown:
                 raise ValueError(
                     f"Reward {name!r} takes the argument {unknown[0]!r}, which lit_grpo cannot supply: a reward "
-                    f"may take {', '.join(SUPPLIED)} and the columns of data.source={source!r} "
+                    f"may take {', '.join(SUPPLIED)} and the columns of data.source.dataset={source!r} "
                     f"({', '.join(sorted(available))}); give {unknown[0]!r} a default, or map a column to it "
-                    "with data.columns."
+                    "with data.source.columns."
                 )
             missing = [c for c in getattr(fn, "required_columns", ()) if c not in available]
             if missing:
                 raise ValueError(
-                    f"Reward {name!r} needs the dataset column(s) {missing}, which data.source={source!r} "
-                    f"does not have (available: {sorted(available)}); map them with data.columns, "
+                    f"Reward {name!r} needs the dataset column(s) {missing}, which data.source.dataset={source!r} "
+                    f"does not have (available: {sorted(available)}); map them with data.source.columns, "
                     f"e.g. {{{missing[0]!r}: 'your_column'}}, or drop the reward."
                 )
 

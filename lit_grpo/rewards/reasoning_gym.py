@@ -1,6 +1,6 @@
 """reasoning-gym's own scorers as a reward: each row scored by its task's ``score_answer``.
 
-Rows from ``data.source: reasoning_gym`` carry ``answer`` and ``metadata``
+Rows from ``data.source.dataset: reasoning_gym`` carry ``answer`` and ``metadata``
 (which names the task); the answer scored is the text of the completion's last
 ``<answer>…</answer>`` (reasoning-gym's format), an ``<answer>`` left open
 running to the end of its line, or else the completion's last non-empty line;
@@ -48,7 +48,7 @@ def reasoning_gym_score(
 
 
 class ReasoningGym(Reward):
-    """reasoning-gym's scorer as a weighted reward (``data.source: reasoning_gym``).
+    """reasoning-gym's scorer as a weighted reward (``data.source.dataset: reasoning_gym``).
 
     Args:
         weight: Multiplier of this reward in the total.

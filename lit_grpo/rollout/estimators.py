@@ -1,6 +1,6 @@
 """Advantage estimators: a rollout's rewards (and its rows) -> the advantages its loss trains on.
 
-Each is chosen by ``data.advantage_estimator``. The numbers an estimator
+Each is chosen by ``data.advantage.estimator``. The numbers an estimator
 needs from the objective (``beta``, PPO's ``kl_coef``, ``gamma``, ``lam``,
 ``whiten_advantages``) arrive as the policy's
 :meth:`~lit_grpo.rollout.policy.RolloutPolicy.estimator_options`; the
@@ -32,12 +32,12 @@ class AdvantageInputs:
 
     Attributes:
         group_size: Completions per prompt.
-        scale: ``data.advantage_scale`` (``group``, ``batch`` or ``none``).
+        scale: ``data.advantage.scale`` (``group``, ``batch`` or ``none``).
         options: The objective's numbers (see the module docstring).
         batch_size: Rows scored together by a pass of the policy (the critic's values).
         per_reward: ``[N, K]`` each reward's raw values (NaN where one does not apply), and
             ``weights`` ``[K]`` their weights: for ``normalize_then_sum``.
-        aggregation: ``data.multi_objective_aggregation``: ``sum_then_normalize`` (the weighted
+        aggregation: ``data.advantage.multi_objective_aggregation``: ``sum_then_normalize`` (the weighted
             total is normalised in its group) or ``normalize_then_sum`` (GDPO: each reward is).
     """
 
@@ -124,7 +124,7 @@ class Estimator(NamedTuple):
         return self.kl_weight is not None and options.get(self.kl_weight, 0.0) > 0
 
 
-# data.advantage_estimator -> how the rollout's advantages are computed.
+# data.advantage.estimator -> how the rollout's advantages are computed.
 ESTIMATORS: dict[str, Estimator] = {
     "grpo": Estimator(_group_relative, needs_group=True),
     "rloo": Estimator(_leave_one_out, needs_group=True),

@@ -42,5 +42,5 @@ class RolloutPolicy(Protocol):
     def rollout_values(self, rows: dict, batch_size: int | None = None) -> Tensor:
         """The critic's values of the rows' completion tokens, ``[N, C]`` (objectives with a critic)."""
 
-    def show_progress(self, description: str, total: int | None = None):
-        """A progress bar for a rollout phase, or ``None``."""
+    def show_progress(self, description: str, total: int | None = None, unit: str = "step"):
+        """A progress bar for a rollout phase (or its line at the end), or ``None``."""

@@ -103,12 +103,12 @@ class RolloutProducer:
             :class:`~lit_grpo.generation.episodes.EpisodePlan` and environments
             (``None, None`` without).
         reply: The sampled texts as the replies read (the completion prefix in front).
-        advantage_scale: ``data.advantage_scale``, read by ``grpo``.
+        advantage_scale: ``data.advantage.scale``, read by ``grpo``.
         batch_size: Rows scored together by a pass of the policy.
         num_iterations: Optimisation passes over each rollout.
         dynamic_sampling: Replace groups whose rewards are all equal.
         max_sampling_rounds: Most rounds dynamic sampling may spend.
-        multi_objective_aggregation: ``data.multi_objective_aggregation``, read by ``grpo``.
+        multi_objective_aggregation: ``data.advantage.multi_objective_aggregation``, read by ``grpo``.
     """
 
     def __init__(
@@ -379,7 +379,7 @@ def _warn_if_all_empty(groups: list[_Group], epoch: int) -> None:
         f"epoch {epoch}: all {sum(len(g.texts) for g in groups)} completions are empty (the policy "
         "ended every answer at once), so the rewards cannot tell them apart and only the KL term "
         "trains. Expected some text; check policy.name_or_path's chat template and EOS tokens, "
-        "data.prompt_template and sampling.temperature.",
+        "data.prompt.template and sampling.temperature.",
         RuntimeWarning,
         stacklevel=3,
     )

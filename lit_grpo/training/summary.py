@@ -3,6 +3,7 @@ before and after, the minutes, and where the run's metrics, curves, adapter and 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import lightning as L
@@ -19,6 +20,29 @@ class RunProgressBar(RichProgressBar):
         metrics = super().get_metrics(trainer, pl_module)
         metrics.pop("v_num", None)
         return metrics
+
+
+class PhaseLine:
+    """A phase's one line where no progress bar is shown (``trainer.enable_progress_bar: false``,
+    e.g. a batch job's log): what ran, how much of it and its seconds, printed when the phase ends.
+    Takes the calls a tqdm bar takes (``update``, ``close``).
+
+    Args:
+        description: What the phase is (``rollout``, ``held-out prompts (greedy)``).
+        unit: What ``update`` counts (decoding ``step``, ``prompt``).
+    """
+
+    def __init__(self, description: str, unit: str) -> None:
+        self.description, self.unit, self.count = description, unit, 0
+        self.started: float | None = time.perf_counter()
+
+    def update(self, n: int = 1) -> None:
+        self.count += n
+
+    def close(self) -> None:
+        if self.started is not None:  # closed once, where a bar may be closed twice
+            seconds, self.started = time.perf_counter() - self.started, None
+            print(f"{self.description}: {_count(self.count, self.unit)} in {seconds:.1f} s", flush=True)
 
 
 def run_summary(trainer: L.Trainer, module, seconds: float, adapter: str | None) -> str:
