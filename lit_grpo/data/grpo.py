@@ -30,20 +30,22 @@ from torch.utils.data import DataLoader
 from lit_grpo.data.batches import BatchCursor
 from lit_grpo.data.buffer import OnDemand, RolloutBuffer
 from lit_grpo.data.episodes import EpisodeSetup, EpisodesSpec
-from lit_grpo.data.prompts import chat_prompts, check_prompt_lengths, columns_of
+from lit_grpo.data.held_out import HeldOutPrompts
+from lit_grpo.data.prompts import chat_prompts, check_prompt_lengths
+from lit_grpo.data.sampled_ahead import SamplesAhead
 from lit_grpo.data.setup_checks import check_prompt_budget, choose_estimator
 from lit_grpo.data.sources import GROUPED, check_slices, held_out_slices, load_rows, rename_columns, split_rows
 from lit_grpo.data.specs import AdvantageSpec, HeldOutSpec, PromptSpec, SourceSpec
 from lit_grpo.data.tasks import TooFewQuestions
 from lit_grpo.generation.rollout import SamplingSpec, encode_prompts
 from lit_grpo.rewards import Accuracy, Format, Reward, RewardCombiner, TrainerState
-from lit_grpo.rollout.ahead import Job, SamplingAhead
+from lit_grpo.rollout.ahead import SamplingAhead
 from lit_grpo.rollout.producer import RolloutProducer, ScoredRollout
 from lit_grpo.training.distributed import gather_to_rank_zero
 from lit_grpo.training.preemption import Preempted, abortable
 
 
-class OnPolicyDataModule(L.LightningDataModule):
+class OnPolicyDataModule(SamplesAhead, HeldOutPrompts, L.LightningDataModule):
     """Prompts in, scored on-policy rollouts out, regenerated every epoch.
 
     Args:
@@ -203,13 +205,6 @@ class OnPolicyDataModule(L.LightningDataModule):
             ) from None
         return rename_columns(raw, source.columns or {}, source.label, fields=GROUPED)
 
-    def val_sets(self) -> dict[str, list[dict]]:
-        """The held-out prompts by the metric their greedy accuracy is logged as."""
-        return {
-            "val/accuracy": self.val_rows,
-            **{f"val/{name}/accuracy": rows for name, rows in self.val_slices.items()},
-        }
-
     @property
     def prompts_per_rank(self) -> int:
         """Prompts each rank samples per epoch (whole groups never span ranks)."""
@@ -362,81 +357,9 @@ class OnPolicyDataModule(L.LightningDataModule):
             max_steps = trainer.max_epochs * steps_per_epoch
         return TrainerState(trainer.global_step, trainer.current_epoch, max_steps)
 
-    def _produce_ahead(self, epoch: int, rank: int) -> ScoredRollout:
-        """Epoch ``epoch``'s rollout, sampled ahead; first launch what sampling ahead needs next."""
-        self._start_ahead()
-        last = epoch + self.hparams.staleness
-        if self.trainer.max_epochs is not None and self.trainer.max_epochs >= 0:
-            last = min(last, self.trainer.max_epochs - 1)  # nothing past the run's end
-        for later in range(epoch, last + 1):
-            if later not in self.ahead.jobs:
-                self._launch(later, self._my_prompts(rank), self.cursor.seed_of(later, rank))
-        job, waits = self.ahead.take(epoch)
-        # dynamic sampling's further rounds, if any, are sampled now, by the current weights
-        return self._produce(
-            rank,
-            first=(job.request, job.rollout, job.version),
-            stats=waits,
-            generator=torch.Generator().manual_seed(self.cursor.seed_of(epoch, rank, -1)),
-        )
-
-    def _start_ahead(self) -> None:
-        """Start the worker (refusing an engine that cannot sample beside training), and launch again
-        the rollouts a checkpoint had pending."""
-        if self.ahead is not None:
-            return
-        trainer = self.trainer
-        engine = trainer.lightning_module.engine
-        refusal = (
-            engine.ahead_refusal()
-            if hasattr(engine, "ahead_refusal")
-            else (
-                f"the {type(engine).__name__} samples in the weights training steps; use model.generation.backend "
-                "native"
-            )
-        )
-        if self.advantage_estimator == "gae":
-            refusal = "PPO's loss has no correction for a sampler older than the trainer (its critic's GAE too)"
-        if refusal:
-            raise ValueError(f"data.staleness={self.hparams.staleness}: {refusal}; or set data.staleness 0.")
-        self.ahead = SamplingAhead(self.producer.sample, abortable=trainer.world_size == 1)
-        rank = trainer.global_rank
-        for saved in self.pending:
-            self._launch(
-                saved["epoch"],
-                saved["ranks"][rank],
-                self.cursor.seed_of(saved["epoch"], rank),
-                adapter=saved["adapter"],
-                version=saved["version"],
-            )
-        self.pending = []
-
-    def _launch(
-        self, epoch: int, prompts: list[dict], seed: int, adapter: dict | None = None, version: int | None = None
-    ) -> None:
-        module = self.trainer.lightning_module
-        self.ahead.launch(
-            Job(
-                epoch,
-                self.producer.prepare(prompts),
-                module.engine.frozen(adapter),
-                seed,
-                module.policy_version if version is None else version,
-            )
-        )
-
     def _my_prompts(self, rank: int) -> list[dict]:
         local = self.prompts_per_rank
         return self.next_prompts(self.hparams.prompts_per_epoch)[rank * local : (rank + 1) * local]
-
-    def teardown(self, stage: str) -> None:
-        if self.ahead is not None:
-            self.ahead.close()
-            self.ahead = None
-
-    def on_exception(self, exception: BaseException) -> None:
-        # Lightning runs no teardown hook after an error or a preemption: stop the worker here.
-        self.teardown("fit")
 
     @property
     def last_stats(self) -> dict[str, float]:
@@ -455,45 +378,6 @@ class OnPolicyDataModule(L.LightningDataModule):
         """
         self.cursor.begin(self.trainer.global_rank, index)
 
-    def val_dataloader(self) -> DataLoader | list[DataLoader]:
-        loaders = [
-            DataLoader(rows, batch_size=self.held_out.batch_size, collate_fn=self.collate_val)
-            for rows in self.val_sets().values()
-        ]
-        return loaders if len(loaders) > 1 else loaders[0]
-
-    def collate_val(self, rows: list[dict]) -> dict:
-        """Tokenize validation rows: ``{prompt_ids, prompt_mask, rows}`` (and ``episodes``, their
-        :class:`~lit_grpo.generation.episodes.EpisodePlan`, and ``environments``, each episode's
-        environment or ``None``, when tools are configured)."""
-        if self.episodes is not None:
-            prompt_ids, prompt_mask, spec, environments = self.episodes.start(self, rows, 1)
-            return {
-                "prompt_ids": prompt_ids,
-                "prompt_mask": prompt_mask,
-                "rows": rows,
-                "episodes": spec,
-                "environments": environments,
-            }
-        prompt_ids, prompt_mask = self.encode(rows)
-        return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "rows": rows}
-
-    def score_validation(
-        self, rows: list[dict], completions: list[str], environments: list | None = None
-    ) -> torch.Tensor:
-        """Score greedy validation answers with ``data.held_out.reward``: ``[B]`` floats (0 where it does not apply).
-
-        ``completions`` are the sampled texts; the completion prefix is put in front here.
-        ``environments``: each episode's environment, for a reward that reads them.
-        """
-        columns = columns_of(rows)
-        prompts = columns.pop("prompt")
-        supplied = {"environments": list(environments or [None] * len(rows))}
-        if self.trainer is not None:
-            supplied["trainer_state"] = self.trainer_state()
-        scores = self.val_scorer.score(prompts, self.full_completions(completions), columns, supplied)
-        return scores.per_function[self.val_scorer.names[0]].nan_to_num(0.0)
-
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
         """Prompt position, and inside an epoch that epoch's rollout (every rank's).
@@ -510,27 +394,7 @@ class OnPolicyDataModule(L.LightningDataModule):
                 "ranks": gather_to_rank_zero(vars(self.last_result), trainer.world_size),
             }
         if self.hparams.staleness:  # the rollouts sampling ahead: their prompts and frozen weights
-            jobs = sorted(self.ahead.jobs.values(), key=lambda job: job.epoch) if self.ahead else []
-            pending = [
-                {
-                    "epoch": job.epoch,
-                    "version": job.version,
-                    "adapter": job.sampler.adapter,
-                    "rows": job.request.prompts,
-                }
-                for job in jobs
-            ]
-            pending += [{**saved, "rows": saved["ranks"][trainer.global_rank]} for saved in self.pending]
-            ranks = gather_to_rank_zero([p["rows"] for p in pending], trainer.world_size)  # None off rank 0
-            state["pending"] = [
-                {
-                    "epoch": p["epoch"],
-                    "version": p["version"],
-                    "adapter": p["adapter"],
-                    "ranks": [rows[i] for rows in ranks or []],
-                }
-                for i, p in enumerate(pending)
-            ]
+            state["pending"] = self._pending_state()
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
