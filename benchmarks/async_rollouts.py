@@ -20,6 +20,7 @@ threads share the same cores, so the overlap shows in the wait, not in a
 large gain of the step.
 
     python benchmarks/async_rollouts.py --epochs 6 --staleness 0 1
+    python benchmarks/async_rollouts.py --epochs 6 --staleness 0 1 --oversampling 2
     python benchmarks/async_rollouts.py --epochs 6 --staleness 0 1 --server http://127.0.0.1:8000
 
 ``--server`` runs the same with a vLLM server of the embedded model that is
@@ -74,7 +75,7 @@ class EpochClock(L.Callback):
         )
 
 
-def run(staleness: int, epochs: int, seed: int, server: str | None) -> list[dict[str, float]]:
+def run(staleness: int, epochs: int, seed: int, server: str | None, oversampling: float) -> list[dict[str, float]]:
     L.seed_everything(seed)
     generation = GenerationSpec(backend="vllm_server", urls=[server]) if server else GenerationSpec()
     module = GRPOModule(
@@ -91,6 +92,7 @@ def run(staleness: int, epochs: int, seed: int, server: str | None) -> list[dict
         prompts_per_epoch=4,
         batch_size=32,
         dynamic_sampling=True,
+        oversampling=oversampling,
         staleness=staleness,
         seed=seed,
         sampling=SamplingSpec(group_size=8, temperature=0.8, max_new_tokens=24),
@@ -119,14 +121,18 @@ def main() -> None:
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--server", default=None, help="a running vLLM server's URL: sample there")
+    parser.add_argument(
+        "--oversampling", type=float, default=1.0, help="data.oversampling: prompts sampled per round, x the epoch's"
+    )
     args = parser.parse_args()
-    print(f"CPU: {cpu_name()}; engine: {'vLLM server ' + args.server if args.server else 'native'}")
+    engine = "vLLM server " + args.server if args.server else "native"
+    print(f"CPU: {cpu_name()}; engine: {engine}; oversampling: {args.oversampling}")
     columns = ("step s", "gen s", "train s", "wait s", "sampler idle s", "tokens/s")
     print("| staleness | epoch | " + " | ".join(columns) + " |")
     print("|---|---|" + "---|" * len(columns))
     medians = {}
     for staleness in args.staleness:
-        rows = run(staleness, args.epochs, args.seed, args.server)
+        rows = run(staleness, args.epochs, args.seed, args.server, args.oversampling)
         for epoch, row in enumerate(rows, start=1):
             print(f"| {staleness} | {epoch} | " + " | ".join(f"{row[c]:.2f}" for c in columns) + " |")
         medians[staleness] = {c: statistics.median(row[c] for row in rows) for c in columns}

@@ -166,6 +166,32 @@ def first_group_collapsed(prompts, completions, **columns):
     return [1.0] * 4 + rewards[4:]
 
 
+@pytest.mark.parametrize("oversampling, rounds, drawn", [(1.0, 2, 8), (1.5, 1, 6)])
+def test_dynamic_sampling_replaces_collapsed_groups_and_oversampling_spares_the_next_round(
+    tmp_path, tiny_model_dir, oversampling, rounds, drawn
+):
+    # 4 prompts a round, group 0 of each round collapsed: 3 groups with signal from the first round,
+    # so a second round (4 more prompts) fills the fourth; sampling 6 prompts leaves 5 with signal.
+    module, data = make(
+        tiny_model_dir,
+        reward=first_group_collapsed,
+        prompts_per_epoch=4,
+        batch_size=16,
+        dynamic_sampling=True,
+        max_sampling_rounds=3,
+        oversampling=oversampling,
+    )
+    trainer(tmp_path, epochs=1).fit(module, data)
+    metrics = module.trainer.callback_metrics
+    assert float(metrics["rollout/rounds"]) == rounds and data.position == drawn
+    assert float(metrics["rollout/collapsed_fraction"]) == 0.0  # the trained groups all have signal
+
+
+def test_oversampling_without_dynamic_sampling_is_refused():
+    with pytest.raises(ValueError, match=r"data.oversampling=2.0 needs data.dynamic_sampling: true"):
+        OnPolicyDataModule(oversampling=2.0)
+
+
 class FullGradient(L.Callback):
     def on_before_optimizer_step(self, trainer, module, optimizer):
         self.grads = [p.grad.clone() for p in module.trainable_parameters()]

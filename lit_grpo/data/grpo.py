@@ -21,6 +21,7 @@ that were still to come.
 
 from __future__ import annotations
 
+import math
 import random
 
 import lightning as L
@@ -69,6 +70,11 @@ class OnPolicyDataModule(SamplesAhead, HeldOutPrompts, L.LightningDataModule):
             are all equal (zero advantage, no signal) with fresh prompts.
         max_sampling_rounds: Most rollout rounds dynamic sampling may spend
             filling one epoch's buffer.
+        oversampling: With dynamic sampling, each round samples this many times the
+            epoch's prompts and trains on the first groups with signal, so that a further
+            round is rarely needed (DAPO samples 3x) and under ``staleness`` the whole
+            rollout is sampled ahead of training. The groups beyond what the epoch needs
+            are dropped, their prompts used for this pass over the data.
         staleness: How many rollouts sampling may run ahead of training: 0
             (default) samples each epoch's rollout with the current weights; k
             samples epoch n+k's in a background thread, with the weights as
@@ -95,6 +101,7 @@ class OnPolicyDataModule(SamplesAhead, HeldOutPrompts, L.LightningDataModule):
         repeat: bool = True,
         dynamic_sampling: bool = False,
         max_sampling_rounds: int = 4,
+        oversampling: float = 1.0,
         staleness: int = 0,
         seed: int = 0,
     ) -> None:
@@ -117,6 +124,13 @@ class OnPolicyDataModule(SamplesAhead, HeldOutPrompts, L.LightningDataModule):
         ):
             if value < 1:
                 raise ValueError(f"data.{name}={value}; expected >= 1.")
+        if not oversampling >= 1:
+            raise ValueError(f"data.oversampling={oversampling}; expected >= 1 (1: the epoch's prompts, no more).")
+        if oversampling > 1 and not dynamic_sampling:
+            raise ValueError(
+                f"data.oversampling={oversampling} needs data.dynamic_sampling: true (it samples spare groups "
+                "for the ones whose rewards are all equal); set it to 1."
+            )
         if staleness < 0:
             raise ValueError(
                 f"data.staleness={staleness}; expected >= 0 (0: sample with the current weights, "
@@ -358,8 +372,10 @@ class OnPolicyDataModule(SamplesAhead, HeldOutPrompts, L.LightningDataModule):
         return TrainerState(trainer.global_step, trainer.current_epoch, max_steps)
 
     def _my_prompts(self, rank: int) -> list[dict]:
-        local = self.prompts_per_rank
-        return self.next_prompts(self.hparams.prompts_per_epoch)[rank * local : (rank + 1) * local]
+        """This rank's prompts of one sampling round: its share of the epoch's, ``data.oversampling`` times."""
+        local = math.ceil(self.prompts_per_rank * self.hparams.oversampling)
+        world = self.trainer.world_size if self.trainer else 1
+        return self.next_prompts(local * world)[rank * local : (rank + 1) * local]
 
     @property
     def last_stats(self) -> dict[str, float]:
