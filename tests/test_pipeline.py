@@ -31,7 +31,7 @@ def common(tiny_model_dir: str, root: Path) -> list[str]:
     ]
 
 
-def test_sft_then_reward_model_then_grpo_scored_by_it(tmp_path, tiny_model_dir):
+def test_sft_then_reward_model_then_grpo_scored_by_it(tmp_path, tiny_model_dir, capsys):
     sft, rm, grpo = tmp_path / "sft", tmp_path / "rm", tmp_path / "grpo"
     main(
         [
@@ -86,8 +86,10 @@ def test_sft_then_reward_model_then_grpo_scored_by_it(tmp_path, tiny_model_dir):
             "--data.sampling.max_new_tokens=4",
             "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
             f"--trainer.logger.save_dir={grpo}",
+            "--model.progress=true",  # no progress bar: each phase prints its line
         ]
     )
+    assert "reward model reward_model: 4 completions in " in capsys.readouterr().out
     assert (grpo / "out" / "adapter_model.safetensors").is_file()
     (metrics,) = grpo.rglob("metrics.csv")
     header, *rows = [line.split(",") for line in metrics.read_text().splitlines()]

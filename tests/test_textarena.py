@@ -9,8 +9,17 @@ pytest.importorskip("textarena", reason="needs textarena: pip install textarena"
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-from lit_grpo import EpisodesSpec, GRPOModule, LoraSpec, OnPolicyDataModule, PolicySpec, SamplingSpec  # noqa: E402
-from lit_grpo.data.specs import HeldOutSpec, PromptSpec, SourceSpec
+from lit_grpo import (  # noqa: E402
+    EpisodesSpec,
+    GRPOModule,
+    HeldOutSpec,
+    LoraSpec,
+    OnPolicyDataModule,
+    PolicySpec,
+    PromptSpec,
+    SamplingSpec,
+    SourceSpec,
+)
 from lit_grpo.environments.textarena import TextArenaGame  # noqa: E402
 
 GAME = {"class_path": "lit_grpo.environments.textarena.TextArenaGame", "init_args": {"env_id": "GuessTheNumber-v0"}}

@@ -197,6 +197,8 @@ class RewardModel(Reward):
                 "GRPO modules bind their DataModule's rewards when they load the policy."
             )
         device = self._follow_the_policy()
+        show = getattr(self.module, "show_progress", None)  # an on-policy module's bar (or line) for the pass
+        bar = show(f"reward model {self.name}", len(prompts), "completion") if show else None
         out = []
         for start in range(0, len(prompts), self.batch_size):
             ids, mask = encode_conversations(
@@ -207,6 +209,10 @@ class RewardModel(Reward):
                 self.max_length,
             )
             out.append(self._score(ids.to(device), mask.to(device)).cpu())
+            if bar is not None:
+                bar.update(len(out[-1]))
+        if bar is not None:
+            bar.close()
         return torch.cat(out)  # [N]
 
     def _follow_the_policy(self) -> torch.device:
