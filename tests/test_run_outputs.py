@@ -103,8 +103,8 @@ def test_sft_writes_metrics_csv_without_a_configured_logger(tmp_path, tiny_model
             f"--trainer.default_root_dir={tmp_path / 'sft'}",
             "--trainer.enable_progress_bar=false",
             "--trainer.max_epochs=1",
-            "--data.source.train_size=8",
-            "--data.held_out.size=4",
+            "--data.train_size=8",
+            "--data.val_size=4",
             "--data.val_max_new_tokens=4",
         ]
     )
