@@ -21,6 +21,7 @@ large gain of the step.
 
     python benchmarks/async_rollouts.py --epochs 6 --staleness 0 1
     python benchmarks/async_rollouts.py --epochs 6 --staleness 0 1 --oversampling 2
+    python benchmarks/async_rollouts.py --epochs 6 --staleness 0 1 --dynamic_sampling false
     python benchmarks/async_rollouts.py --epochs 6 --staleness 0 1 --server http://127.0.0.1:8000
 
 ``--server`` runs the same with a vLLM server of the embedded model that is
@@ -75,7 +76,9 @@ class EpochClock(L.Callback):
         )
 
 
-def run(staleness: int, epochs: int, seed: int, server: str | None, oversampling: float) -> list[dict[str, float]]:
+def run(
+    staleness: int, epochs: int, seed: int, server: str | None, oversampling: float, dynamic_sampling: bool
+) -> list[dict[str, float]]:
     L.seed_everything(seed)
     generation = GenerationSpec(backend="vllm_server", urls=[server]) if server else GenerationSpec()
     module = GRPOModule(
@@ -91,7 +94,7 @@ def run(staleness: int, epochs: int, seed: int, server: str | None, oversampling
         held_out=HeldOutSpec(size=1),
         prompts_per_epoch=4,
         batch_size=32,
-        dynamic_sampling=True,
+        dynamic_sampling=dynamic_sampling,
         oversampling=oversampling,
         staleness=staleness,
         seed=seed,
@@ -124,15 +127,22 @@ def main() -> None:
     parser.add_argument(
         "--oversampling", type=float, default=1.0, help="data.oversampling: prompts sampled per round, x the epoch's"
     )
+    parser.add_argument(
+        "--dynamic_sampling",
+        choices=["true", "false"],
+        default="true",
+        help="data.dynamic_sampling (the quickstart's: true)",
+    )
     args = parser.parse_args()
     engine = "vLLM server " + args.server if args.server else "native"
-    print(f"CPU: {cpu_name()}; engine: {engine}; oversampling: {args.oversampling}")
+    dynamic = args.dynamic_sampling == "true"
+    print(f"CPU: {cpu_name()}; engine: {engine}; dynamic sampling: {dynamic}; oversampling: {args.oversampling}")
     columns = ("step s", "gen s", "train s", "wait s", "sampler idle s", "tokens/s")
     print("| staleness | epoch | " + " | ".join(columns) + " |")
     print("|---|---|" + "---|" * len(columns))
     medians = {}
     for staleness in args.staleness:
-        rows = run(staleness, args.epochs, args.seed, args.server, args.oversampling)
+        rows = run(staleness, args.epochs, args.seed, args.server, args.oversampling, dynamic)
         for epoch, row in enumerate(rows, start=1):
             print(f"| {staleness} | {epoch} | " + " | ".join(f"{row[c]:.2f}" for c in columns) + " |")
         medians[staleness] = {c: statistics.median(row[c] for row in rows) for c in columns}
