@@ -31,8 +31,13 @@ def test_a_game_is_played_move_by_move_and_scores_itself():
     assert "Guess The Number" in rules and not game.done
     answers = [game.move(str(n)) for n in (10, 5, 8)]  # seed 3's number is 8
     assert answers[0].endswith("lower.") and answers[1].endswith("higher.")
-    assert game.done and game.get_reward() == 1.0 and "Congratulations" in answers[2]
+    assert game.done and game.get_reward() == 1.0 and "Congratulations" in answers[2] and game.solved
     assert game.move("8") == "The game is over."
+    game.reset(seed=3)
+    game.move("10")
+    assert "already guessed" in game.move("10") and not game.done  # the first invalid move is a warning
+    assert "already guessed" in game.move("10") and game.done  # the second ends the game, lost
+    assert 0 < game.get_reward() < 1 and not game.solved  # partial credit is not a win (lit-grpo eval's env_success)
 
 
 def test_it_trains_as_an_environment_from_its_yaml_form(tmp_path, tiny_model_dir):

@@ -5,7 +5,9 @@
 game from the row's ``seed`` and returns its rules and first observation,
 ``move`` plays one move and returns what the game answered, ``done`` turns
 true when the game ends, and ``get_reward`` is the game's own reward for the
-player (textarena's, read when the game closes).
+player (textarena's, read when the game closes): 1 for a win, and for a loss
+(the turn limit, an invalid move such as a repeated guess) the share of the
+way the player got, so ``solved`` says which games were won.
 
     data:
       source: <rows with a seed column>
@@ -35,11 +37,12 @@ class TextArenaGame:
             ) from None
         self.textarena, self.env_id, self.action_format = textarena, env_id, action_format
         self.done, self.reward = False, 0.0
+        self.solved = False  # the game was won (textarena's reward 1; a lost game's reward is partial credit)
 
     def reset(self, **row) -> str:
         self.game = self.textarena.make(env_id=self.env_id)
         self.game.reset(num_players=1, seed=row.get("seed"))
-        self.done, self.reward = False, 0.0
+        self.done, self.reward, self.solved = False, 0.0, False
         _, observation = self.game.get_observation()
         self.seen = len(observation)
         return observation.strip()
@@ -58,6 +61,7 @@ class TextArenaGame:
         if done:
             rewards, info = self.game.close()
             self.done, self.reward = True, float(rewards[0])
+            self.solved = self.reward >= 1.0
             reason = info.get(0, {}).get("reason")
             answer += f"\n{reason}" if reason else ""
         return answer.strip()
