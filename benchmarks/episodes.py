@@ -34,7 +34,7 @@ from lit_grpo.generation.episodes import EpisodeSpec
 from lit_grpo.generation.rollout import SamplingSpec, encode_prompts, generate
 from lit_grpo.model.sources import embedded_model_dir
 
-START = yaml.safe_load(open("configs/tools.yaml"))["data"]
+START = yaml.safe_load(open("configs/tools.yaml"))["data"]["prompt"]
 
 
 def prompts(tokenizer, rows, fmt, toolbox, prefix, system=None):

@@ -118,7 +118,7 @@ def check_moved_keys(argv: list[str]) -> None:
                 if isinstance(data, dict):
                     found += [(f"data.{key}", value) for key, value in data.items()]
     for key, value in found:
-        if key == "data.source" and isinstance(value, str) and not value.lstrip().startswith("{"):
+        if key == "data.source" and isinstance(value, str) and isinstance(_yaml_value(value), str):
             raise ValueError(
                 f"data.source={value!r}: data.source is now a group (the dataset, its split, columns and "
                 f"task options); write data.source.dataset={value!r}."
@@ -130,6 +130,14 @@ def check_moved_keys(argv: list[str]) -> None:
                 f"{key} is now {new}{key[len(old) :]} (the {_LABELS.get(group, group)} settings are one "
                 f"group, data.{group}); move it there."
             )
+
+
+def _yaml_value(text: str):
+    """``text`` as the parser reads a value (``null``, a mapping, a name), or ``text`` where it is no YAML."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
 
 
 def check_yaml_files(argv: list[str]) -> None:

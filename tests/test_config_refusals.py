@@ -14,6 +14,8 @@ from pathlib import Path
 
 from test_bad_inputs import fit  # noqa: F401  (the fixture: lit-grpo fit on the tiny model, in-process)
 
+from lit_grpo.cli_checks import check_moved_keys
+
 
 def test_optimizer_value_torch_refuses(fit):  # noqa: F811
     code, last = fit("--model.optimizer=torch.optim.AdamW", "--model.optimizer.init_args.lr=-1.0")
@@ -131,6 +133,11 @@ def test_a_data_key_of_the_old_flat_layout_names_its_group(fit, tmp_path):  # no
     config.write_text("data:\n  source: {dataset: countdown}\n  advantage_estimator: rloo\n")
     code, last = fit(f"--config={config}")
     assert code == 2 and last.startswith("lit-grpo: data.advantage_estimator is now data.advantage.estimator ")
+
+
+def test_a_group_given_whole_or_null_is_not_taken_for_the_old_layout():
+    for argv in (["--data.source", '{"dataset": "countdown"}'], ["--data.source=null"], ["--data.source.dataset=x"]):
+        check_moved_keys(argv)  # nothing refused
 
 
 def test_an_episode_key_of_the_old_flat_layout_names_its_new_place(fit, tmp_path):  # noqa: F811

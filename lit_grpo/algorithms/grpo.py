@@ -76,9 +76,10 @@ class GRPOModule(OnPolicyModule):
             gradient that are skipped before training stops with an error.
         log_samples: Sample completions written per epoch to
             ``samples.jsonl`` in the log directory.
-        progress: Show progress bars for rollout generation (only where the
-            trainer shows its own, ``trainer.enable_progress_bar``) and a
-            line per epoch with its reward, accuracy and time.
+        progress: Show progress for each phase of a rollout and of validation: a bar
+            where the trainer shows its own (``trainer.enable_progress_bar``), else one
+            line when the phase ends; and a line per epoch with its reward, accuracy
+            and time.
         validate_before_training: Score the validation prompts (and each
             ``data.held_out.slices`` slice) once before the first step (logged as
             ``val/accuracy``, ``val/<slice>/accuracy`` at step 0), so the gain is visible.

@@ -131,13 +131,15 @@ class OnPolicyModule(PolicyModule):
         size = batch_size or len(rows["prompt_ids"])
         keys = SCORED_KEYS + tuple(k for k in ("completion_attention",) if k in rows)
         out = []
-        for start in range(0, rows["prompt_ids"].shape[0], size):
-            part = {k: rows[k][start : start + size].to(self.device) for k in keys}
-            out.append(score(**part).float().cpu())
+        try:
+            for start in range(0, rows["prompt_ids"].shape[0], size):
+                part = {k: rows[k][start : start + size].to(self.device) for k in keys}
+                out.append(score(**part).float().cpu())
+                if progress is not None:
+                    progress.update(len(out[-1]))
+        finally:
             if progress is not None:
-                progress.update(len(out[-1]))
-        if progress is not None:
-            progress.close()
+                progress.close()
         return torch.cat(out)  # [N, C]
 
     def _log_rollout_stats(self, batch: dict) -> None:

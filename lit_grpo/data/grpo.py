@@ -373,7 +373,7 @@ class OnPolicyDataModule(SamplesAhead, HeldOutPrompts, L.LightningDataModule):
 
     def _my_prompts(self, rank: int) -> list[dict]:
         """This rank's prompts of one sampling round: its share of the epoch's, ``data.oversampling`` times."""
-        local = math.ceil(self.prompts_per_rank * self.hparams.oversampling)
+        local = math.ceil(round(self.prompts_per_rank * self.hparams.oversampling, 9))  # 50 x 1.1 is 55, not 56
         world = self.trainer.world_size if self.trainer else 1
         return self.next_prompts(local * world)[rank * local : (rank + 1) * local]
 

@@ -174,7 +174,13 @@ class PreferenceDataModule(ResumableBatches, L.LightningDataModule):
         prompts = chat_prompts(
             tokenizer, [column_text(r["prompt"], "prompt") for r in rows], hp.system_prompt, hp.prompt_template
         )
-        prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, hp.max_prompt_length, hp.prompt_overflow)
+        prompt_ids, prompt_mask = encode_prompts(
+            tokenizer,
+            prompts,
+            hp.max_prompt_length,
+            hp.prompt_overflow,
+            ("data.max_prompt_length", "data.prompt_overflow"),
+        )
         replies = [column_text(r["chosen"], "chosen") for r in rows] + [
             column_text(r["rejected"], "rejected") for r in rows
         ]

@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 
 from lit_grpo.algorithms.answers import answer_batch
 from lit_grpo.algorithms.grpo import GRPOModule
-from lit_grpo.cli_checks import OneLineErrorParser, check_moved_keys
+from lit_grpo.cli_checks import OneLineErrorParser, check_moved_keys, check_yaml_files
 from lit_grpo.data.grpo import OnPolicyDataModule
 from lit_grpo.environments.factory import environment_rewards
 from lit_grpo.generation.episodes import episode_stats
@@ -272,6 +272,7 @@ class EvalCli(LightningCLI):
 def main(argv: list[str]) -> dict[str, float]:
     """``lit-grpo eval [--config FIT.yaml] [--adapter DIR] [--samples N --pass_k K ...] [--out FILE]
     [--transcripts FILE]``."""
+    check_yaml_files(argv)
     check_moved_keys(argv)
     cli = EvalCli(
         GRPOModule,

@@ -88,7 +88,11 @@ def completion_mask(completion_ids: Tensor, eos: list[int]) -> tuple[Tensor, Ten
 
 
 def encode_prompts(
-    tokenizer, texts: list[str], max_prompt_length: int | None, overflow: str = "error"
+    tokenizer,
+    texts: list[str],
+    max_prompt_length: int | None,
+    overflow: str = "error",
+    fields: tuple[str, str] = ("data.prompt.max_length", "data.prompt.overflow"),
 ) -> tuple[Tensor, Tensor]:
     """Tokenize chat-formatted prompts, left-padded.
 
@@ -99,6 +103,7 @@ def encode_prompts(
         overflow: ``"error"`` refuses longer prompts; ``"truncate"`` keeps their
             last ``max_prompt_length`` tokens (the question's end and the
             assistant header survive) and warns.
+        fields: How messages name the two settings (the preference DataModule's differ).
 
     Returns:
         ``(input_ids [B, P], attention_mask [B, P])``.
@@ -109,12 +114,12 @@ def encode_prompts(
         if long and overflow == "error":
             i = long[0]
             raise ValueError(
-                f"prompt {texts[i][:80]!r}... has {len(rows[i])} tokens > data.prompt.max_length="
-                f"{max_prompt_length}; raise the limit or set data.prompt.overflow='truncate'."
+                f"prompt {texts[i][:80]!r}... has {len(rows[i])} tokens > {fields[0]}="
+                f"{max_prompt_length}; raise the limit or set {fields[1]}='truncate'."
             )
         if long:
             warnings.warn(
-                f"{len(long)} prompt(s) longer than data.prompt.max_length={max_prompt_length} "
+                f"{len(long)} prompt(s) longer than {fields[0]}={max_prompt_length} "
                 "tokens were truncated from the left.",
                 stacklevel=2,
             )

@@ -1,6 +1,6 @@
 """Advantage estimators beside GRPO's :func:`group_advantages` (pure torch).
 
-A config names one with ``advantage_estimator: grpo | rloo | reinforce_pp | gae``.
+A config names one with ``data.advantage.estimator: grpo | rloo | reinforce_pp | gae``.
 They need different inputs and return different shapes, so there is
 deliberately no common signature; the rollout code calls the one named:
 

@@ -200,19 +200,21 @@ class RewardModel(Reward):
         show = getattr(self.module, "show_progress", None)  # an on-policy module's bar (or line) for the pass
         bar = show(f"reward model {self.name}", len(prompts), "completion") if show else None
         out = []
-        for start in range(0, len(prompts), self.batch_size):
-            ids, mask = encode_conversations(
-                self.tokenizer,
-                prompts[start : start + self.batch_size],
-                completions[start : start + self.batch_size],
-                self.system_prompt,
-                self.max_length,
-            )
-            out.append(self._score(ids.to(device), mask.to(device)).cpu())
+        try:
+            for start in range(0, len(prompts), self.batch_size):
+                ids, mask = encode_conversations(
+                    self.tokenizer,
+                    prompts[start : start + self.batch_size],
+                    completions[start : start + self.batch_size],
+                    self.system_prompt,
+                    self.max_length,
+                )
+                out.append(self._score(ids.to(device), mask.to(device)).cpu())
+                if bar is not None:
+                    bar.update(len(out[-1]))
+        finally:
             if bar is not None:
-                bar.update(len(out[-1]))
-        if bar is not None:
-            bar.close()
+                bar.close()
         return torch.cat(out)  # [N]
 
     def _follow_the_policy(self) -> torch.device:
