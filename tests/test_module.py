@@ -8,6 +8,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger
 from tqdm.auto import tqdm
 
@@ -287,19 +288,35 @@ def test_user_built_trainer_with_own_logger_and_callbacks(tmp_path, tiny_model_d
     assert (Path(logger.log_dir) / "samples.jsonl").exists()
 
 
-@pytest.mark.parametrize("enabled", [True, False])
-def test_rollout_progress_bars_follow_the_trainers(enabled, tmp_path):
+@pytest.mark.parametrize(
+    "bar, shown",
+    [(TQDMProgressBar, tqdm), (RichProgressBar, PhaseLine), (None, PhaseLine)],
+    ids=["tqdm", "rich", "none"],
+)
+def test_rollout_progress_follows_the_trainers_bar(bar, shown, tmp_path):
+    # a tqdm bar beside Lightning's tqdm bar; lines without a bar, and under the rich bar, whose live
+    # display holds a tqdm bar's output back until a newline the bar never writes
     module = GRPOModule(progress=True)
     module.trainer = L.Trainer(
         accelerator="cpu",
-        enable_progress_bar=enabled,
+        callbacks=[bar()] if bar else [],
+        enable_progress_bar=bar is not None,
         logger=False,
         enable_checkpointing=False,
         default_root_dir=tmp_path,
     )
-    bar = module.show_progress("rollout", 4)
-    assert isinstance(bar, tqdm if enabled else PhaseLine)  # without a bar, the phase's line at its end
-    bar.close()
+    progress = module.show_progress("rollout", 4)
+    assert isinstance(progress, shown)
+    progress.close()
+
+
+def test_a_phase_line_reports_while_the_phase_runs_and_when_it_ends(capsys):
+    line = PhaseLine("rollout", "step", total=3, every=0.0)  # a line at every update
+    line.update(2)
+    line.close()
+    line.close()  # closed once
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("rollout: 2/3 steps, ") and out[1].startswith("rollout: 2 steps in ") and len(out) == 2
 
 
 @pytest.mark.integration

@@ -18,6 +18,7 @@ import contextlib
 import time
 
 import torch
+from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torchmetrics import MeanMetric
 from tqdm.auto import tqdm
@@ -91,12 +92,13 @@ class OnPolicyModule(PolicyModule):
         return self._engine
 
     def show_progress(self, description: str, total: int | None = None, unit: str = "step"):
-        """A progress bar (decoding steps, or another ``unit``) for a phase on rank 0; a line at its end
-        where the trainer shows no progress bar; ``None`` on the other ranks or without ``progress``."""
+        """A tqdm bar (decoding steps, or another ``unit``) for a phase on rank 0 under a tqdm progress
+        bar (or without a trainer); lines (:class:`PhaseLine`) without one or under the rich bar; ``None``
+        on the other ranks or without ``progress``."""
         if not self.hparams.progress or self.global_rank != 0:
             return None
-        if self._trainer is not None and self._trainer.progress_bar_callback is None:
-            return PhaseLine(description, unit)
+        if self._trainer is not None and not isinstance(self._trainer.progress_bar_callback, TQDMProgressBar):
+            return PhaseLine(description, unit, total)  # no bar, or the rich one, which hides a tqdm bar
         return tqdm(desc=description, total=total, unit=unit, leave=False, dynamic_ncols=True)
 
     @torch.no_grad()

@@ -23,21 +23,31 @@ class RunProgressBar(RichProgressBar):
 
 
 class PhaseLine:
-    """A phase's one line where no progress bar is shown (``trainer.enable_progress_bar: false``,
-    e.g. a batch job's log): what ran, how much of it and its seconds, printed when the phase ends.
-    Takes the calls a tqdm bar takes (``update``, ``close``).
+    """A phase's progress as lines, where a tqdm bar cannot show: without a progress bar
+    (``trainer.enable_progress_bar: false``, e.g. a batch job's log), and under Lightning's rich bar,
+    whose live display holds a tqdm bar's output back until a newline the bar never writes. A line
+    every ``every`` seconds while the phase runs (``rollout: 120/480 steps, 10 s``) and one when it
+    ends (``rollout: 480 steps in 41.2 s``). Takes the calls a tqdm bar takes (``update``, ``close``).
 
     Args:
         description: What the phase is (``rollout``, ``held-out prompts (greedy)``).
         unit: What ``update`` counts (decoding ``step``, ``prompt``).
+        total: How many ``update`` will count, if known.
+        every: Seconds between the lines while it runs.
     """
 
-    def __init__(self, description: str, unit: str) -> None:
-        self.description, self.unit, self.count = description, unit, 0
+    def __init__(self, description: str, unit: str, total: int | None = None, every: float = 10.0) -> None:
+        self.description, self.unit, self.total, self.every, self.count = description, unit, total, every, 0
         self.started: float | None = time.perf_counter()
+        self.shown = self.started
 
     def update(self, n: int = 1) -> None:
         self.count += n
+        now = time.perf_counter()
+        if self.started is not None and now - self.shown >= self.every:
+            self.shown = now
+            done = f"{self.count}/{self.total} {self.unit}s" if self.total else _count(self.count, self.unit)
+            print(f"{self.description}: {done}, {now - self.started:.0f} s", flush=True)
 
     def close(self) -> None:
         if self.started is not None:  # closed once, where a bar may be closed twice
