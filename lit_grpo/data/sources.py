@@ -44,24 +44,24 @@ GROUPED = SourceFields(  # OnPolicyDataModule's groups (lit_grpo.data.specs)
 
 
 class InMemory:
-    """Rows handed to a DataModule in Python as ``source`` (TRL's ``train_dataset``): a list of row
-    dicts, a ``datasets.Dataset``, or a ``datasets.DatasetDict`` (read by split).
+    """Rows handed to the on-policy DataModule in Python as ``data.source.dataset`` (TRL's
+    ``train_dataset``): a list of row dicts, a ``datasets.Dataset``, or a ``datasets.DatasetDict``
+    (read by split).
 
     Args:
         data: The rows.
-        fields: How messages name the settings.
 
     Raises:
         ValueError: ``data`` is none of those, or an empty list.
     """
 
-    def __init__(self, data, fields: SourceFields = FLAT) -> None:
-        self.data, self.fields = data, fields
+    def __init__(self, data) -> None:
+        self.data = data
         kind = type(data).__name__
         if isinstance(data, list):
             if not data or not all(isinstance(row, dict) for row in data):
                 raise ValueError(
-                    f"{fields.dataset} is a list of {len(data)} items; expected a non-empty list of row "
+                    f"{GROUPED.dataset} is a list of {len(data)} items; expected a non-empty list of row "
                     "dicts, e.g. [{'prompt': ..., 'answer': ...}]."
                 )
             self.name = f"<a list of {len(data)} rows>"
@@ -71,7 +71,7 @@ class InMemory:
             self.name = f"<a Dataset of {len(data)} rows>"
         else:
             raise ValueError(
-                f"{fields.dataset} is a {kind}; expected a source name or path (str), a list of row "
+                f"{GROUPED.dataset} is a {kind}; expected a source name or path (str), a list of row "
                 "dicts, or a datasets.Dataset / DatasetDict."
             )
 
@@ -86,7 +86,7 @@ class InMemory:
         if type(self.data).__name__ == "DatasetDict":
             if split not in self.data:
                 raise ValueError(
-                    f"{self.fields.split}={split!r}: {self.fields.dataset} {self.name} has no such split; expected one "
+                    f"{GROUPED.split}={split!r}: {GROUPED.dataset} {self.name} has no such split; expected one "
                     f"of {sorted(self.data)}."
                 )
             return self.data[split].to_list()
@@ -96,9 +96,9 @@ class InMemory:
         return self.name
 
 
-def in_memory(source, fields: SourceFields = FLAT):
+def in_memory(source):
     """``source`` as :class:`InMemory` when it holds rows rather than naming them, else unchanged."""
-    return source if isinstance(source, str) else InMemory(source, fields)
+    return source if isinstance(source, str) else InMemory(source)
 
 
 def load_rows(

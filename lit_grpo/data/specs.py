@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from lit_grpo.data.sources import GROUPED, InMemory, in_memory
+from lit_grpo.data.sources import InMemory, in_memory
 from lit_grpo.rewards import Reward
 
 
@@ -42,7 +42,7 @@ class SourceSpec:
     rows: str | InMemory = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self.rows = in_memory(self.dataset, GROUPED)  # a name or path; or rows handed over in Python
+        self.rows = in_memory(self.dataset)  # a name or path; or rows handed over in Python
         if self.train_size < 1:
             raise ValueError(f"data.source.train_size={self.train_size}; expected >= 1.")
 
