@@ -19,7 +19,7 @@ import sys
 
 import torch
 from safetensors.torch import load_file
-from test_chaos import fit_command, run
+from test_chaos import alongside, finished, fit_command, run
 
 
 def preemptible_command(model_dir: str, root, *extra: str) -> list[str]:
@@ -49,8 +49,7 @@ def struck(model_dir: str, root, phase: str, epoch: int, index: int, strike: str
 
 
 def test_sigterm_and_sigint_save_and_the_resumed_run_ends_on_the_straight_runs_adapter(tmp_path, tiny_model_dir):
-    straight = run(preemptible_command(tiny_model_dir, tmp_path / "straight"))
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    straight = alongside(preemptible_command(tiny_model_dir, tmp_path / "straight"))
     root = tmp_path / "preempted"
     last = root / "checkpoints" / "last.ckpt"
 
@@ -68,6 +67,7 @@ def test_sigterm_and_sigint_save_and_the_resumed_run_ends_on_the_straight_runs_a
 
     resumed = run(preemptible_command(tiny_model_dir, root, "--ckpt_path=last"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    finished(straight)
     expected = load_file(tmp_path / "straight" / "adapter" / "adapter_model.safetensors")
     got = load_file(root / "adapter" / "adapter_model.safetensors")
     assert expected.keys() == got.keys()

@@ -16,7 +16,7 @@ import lightning as L
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_chaos import fit_command, run
+from test_chaos import alongside, finished, fit_command, run
 
 from lit_grpo.algorithms.grpo import GRPOModule
 from lit_grpo.data.grpo import OnPolicyDataModule
@@ -97,8 +97,7 @@ def ahead_command(model_dir: str, root, *extra: str) -> list[str]:
 
 
 def test_killed_and_preempted_under_staleness_1_resumes_to_the_straight_runs_adapter(tmp_path, tiny_model_dir):
-    straight = run(ahead_command(tiny_model_dir, tmp_path / "straight"))
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    straight = alongside(ahead_command(tiny_model_dir, tmp_path / "straight"))
     root = tmp_path / "struck"
     # The first kill lands before epoch 1's first step, so the second run waits for epoch 1's rollout,
     # relaunched from the checkpoint, when SIGTERM comes: a job relaunched is still pending in its save.
@@ -125,6 +124,7 @@ def test_killed_and_preempted_under_staleness_1_resumes_to_the_straight_runs_ada
         assert result.returncode == expected, f"{phase} {epoch} {index}:\n{result.stderr[-3000:]}"
     resumed = run(ahead_command(tiny_model_dir, root, "--ckpt_path=last"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    finished(straight)
     expected = load_file(tmp_path / "straight" / "adapter" / "adapter_model.safetensors")
     got = load_file(root / "adapter" / "adapter_model.safetensors")
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
