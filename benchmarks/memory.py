@@ -152,6 +152,14 @@ def run_one(name: str, checkpointing: bool) -> dict:
     return {"peak_mib": _peak_mib(gpu), "seconds": seconds, "trainable": trainable, "gpu": gpu}
 
 
+def _current_mib(gpu: bool) -> float:
+    """This process's memory now: allocated CUDA memory on a GPU, else resident set size."""
+    if gpu:
+        return torch.cuda.memory_allocated() / 2**20
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * resource.getpagesize() / 2**20
+
+
 def _peak_mib(gpu: bool) -> float:
     """This process's peak memory so far: allocated CUDA memory on a GPU, else peak RSS."""
     if gpu:
@@ -164,27 +172,43 @@ GROUP_SIZE = 8
 LENGTH_ROWS = (("lit_grpo", False), ("lit_grpo", True), ("trl", True))  # (system, gradient checkpointing)
 
 
-def _length_data(length: int, cls=None):
+def _length_data(length: int, cls=None, group_size: int = GROUP_SIZE):
     """lit_grpo's DataModule for the length table: 1 prompt x G rows of exactly ``length`` tokens."""
     from lit_grpo.data.grpo import OnPolicyDataModule
     from lit_grpo.data.specs import HeldOutSpec, SourceSpec
     from lit_grpo.generation.rollout import SamplingSpec
     from lit_grpo.rewards import Accuracy
 
-    sampling = SamplingSpec(group_size=GROUP_SIZE, temperature=0.8, max_new_tokens=length, ignore_eos=True)
+    sampling = SamplingSpec(group_size=group_size, temperature=0.8, max_new_tokens=length, ignore_eos=True)
     return (cls or OnPolicyDataModule)(
         source=SourceSpec("arithmetic", task_args={"digits": 2, "ops": "+"}, train_size=64),
         held_out=HeldOutSpec(size=1),
         prompts_per_epoch=1,
-        batch_size=GROUP_SIZE,
+        batch_size=group_size,
         sampling=sampling,
         rewards=[Accuracy()],
         seed=0,
     )
 
 
-def run_length_lit(model: str, length: int, checkpointing: bool, steps: int, release: bool) -> list[float]:
-    """``steps`` GRPO steps (one rollout and one optimizer step each) with lit_grpo; each one's seconds."""
+def run_length_lit(
+    model: str,
+    length: int,
+    checkpointing: bool,
+    steps: int,
+    release: bool,
+    group_size: int = GROUP_SIZE,
+    dtype: str = "float32",
+    load_in_4bit: bool = False,
+) -> dict:
+    """``steps`` GRPO steps (one rollout and one optimizer step each) with lit_grpo.
+
+    Returns:
+        ``seconds``: each step's; ``loaded_mib``: the memory held when the first
+        rollout starts (the loaded model: RSS on CPU, allocated CUDA memory on a
+        GPU); ``saved_mib``: the largest micro-batch's activations saved for
+        backward; ``prompt_tokens``: the prompts' padded width.
+    """
     import lightning as L
 
     from lit_grpo.algorithms.grpo import GRPOModule
@@ -193,9 +217,11 @@ def run_length_lit(model: str, length: int, checkpointing: bool, steps: int, rel
     from lit_grpo.training.host_memory import ReleaseHostMemory
 
     seconds: list[float] = []
+    loaded: list[float] = []
 
     class Timed(OnPolicyDataModule):
         def rollout_buffer(self):  # Lightning runs the rollout here, before on_train_epoch_start
+            loaded.append(_current_mib(torch.cuda.is_available()))
             self.started = time.perf_counter()
             return super().rollout_buffer()
 
@@ -204,10 +230,53 @@ def run_length_lit(model: str, length: int, checkpointing: bool, steps: int, rel
             seconds.append(time.perf_counter() - trainer.datamodule.started)
             _check_length(trainer.datamodule.last_stats["completion/length_mean"], length)
 
+    class SavedForBackward(L.Callback):
+        """The bytes autograd keeps from a micro-batch's forward for its backward (the largest micro-batch).
+
+        Each storage counted once, the model's parameters left out, independent of the
+        allocator (peak RSS on a CPU also holds what glibc keeps), so it carries over to a
+        GPU. Under gradient checkpointing a checkpointed layer saves nothing but keeps its
+        input, counted from the decoder layers' inputs; the one layer recomputed at a time
+        in backward comes on top.
+        """
+
+        largest_mib = 0.0
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            self.prompt_tokens = batch["prompt_ids"].shape[1]
+            params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+            self.seen = {}
+
+            def count(tensor):
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() not in params:
+                    self.seen[storage.data_ptr()] = storage.nbytes()
+                return tensor
+
+            def layer_input(layer, args, kwargs):
+                hidden = args[0] if args else kwargs.get("hidden_states")
+                if torch.is_grad_enabled() and isinstance(hidden, torch.Tensor):
+                    count(hidden)
+
+            layers = [m for m in module.modules() if type(m).__name__.endswith("DecoderLayer")]
+            self.handles = [layer.register_forward_pre_hook(layer_input, with_kwargs=True) for layer in layers]
+            self.hooks = torch.autograd.graph.saved_tensors_hooks(count, lambda tensor: tensor)
+            self.hooks.__enter__()
+
+        def on_before_backward(self, trainer, module, loss):
+            self.hooks.__exit__(None, None, None)
+            for handle in self.handles:
+                handle.remove()
+            self.largest_mib = max(self.largest_mib, sum(self.seen.values()) / 2**20)
+
+    saved = SavedForBackward()
+
     spec = PolicySpec(
         name_or_path=model,
         lora=LoraSpec(r=16, alpha=32, dropout=0.0, target_modules="all-linear"),
         gradient_checkpointing=checkpointing,
+        dtype=dtype,
+        load_in_4bit=load_in_4bit,
     )
     module = GRPOModule(
         policy=spec,
@@ -232,14 +301,24 @@ def run_length_lit(model: str, length: int, checkpointing: bool, steps: int, rel
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[StepTimer()] + ([ReleaseHostMemory()] if release else []),
+        callbacks=[StepTimer(), saved] + ([ReleaseHostMemory()] if release else []),
     )
-    trainer.fit(module, _length_data(length, Timed))
-    return seconds
+    trainer.fit(module, _length_data(length, Timed, group_size))
+    return {
+        "seconds": seconds,
+        "loaded_mib": loaded[0],
+        "saved_mib": saved.largest_mib,
+        "prompt_tokens": saved.prompt_tokens,
+    }
 
 
-def run_length_trl(model: str, length: int, steps: int) -> list[float]:
-    """``steps`` GRPO steps with TRL's GRPOTrainer, its gradient checkpointing on; each one's seconds."""
+def run_length_trl(
+    model: str, length: int, steps: int, group_size: int = GROUP_SIZE, dtype: str = "float32"
+) -> list[float]:
+    """``steps`` GRPO steps with TRL's GRPOTrainer, its gradient checkpointing on; each one's seconds.
+
+    ``dtype="bfloat16"`` loads the weights in bf16 and turns on TRL's ``bf16`` (autocast).
+    """
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoTokenizer, TrainerCallback
@@ -250,7 +329,7 @@ def run_length_trl(model: str, length: int, steps: int) -> list[float]:
     from lit_grpo.rewards import accuracy
 
     path = str(embedded_model_dir()) if model == "embedded" else model
-    data = _length_data(length)
+    data = _length_data(length, group_size=group_size)
     data.setup("fit")
     rows = data.next_prompts(steps)  # the prompts lit_grpo draws, in its order, formatted as it formats them
     texts = chat_prompts(
@@ -277,13 +356,13 @@ def run_length_trl(model: str, length: int, steps: int) -> list[float]:
         config = GRPOConfig(
             output_dir=root,
             use_cpu=not torch.cuda.is_available(),
-            bf16=False,
-            model_init_kwargs={"dtype": "float32"},
+            bf16=dtype == "bfloat16",
+            model_init_kwargs={"dtype": dtype},
             seed=0,
-            per_device_train_batch_size=GROUP_SIZE,
+            per_device_train_batch_size=group_size,
             gradient_accumulation_steps=1,
             steps_per_generation=1,
-            num_generations=GROUP_SIZE,
+            num_generations=group_size,
             max_completion_length=length,
             generation_kwargs={"min_new_tokens": length},
             temperature=0.8,
@@ -323,14 +402,25 @@ def _check_length(mean_length: float, length: int) -> None:
         raise RuntimeError(f"completions averaged {mean_length} tokens, not the fixed {length}")
 
 
-def run_length(system: str, model: str, length: int, checkpointing: bool, steps: int, release: bool) -> dict:
+def run_length(
+    system: str,
+    model: str,
+    length: int,
+    checkpointing: bool,
+    steps: int,
+    release: bool,
+    group_size: int = GROUP_SIZE,
+    dtype: str = "float32",
+    load_in_4bit: bool = False,
+) -> dict:
     """One row of the length table in this process: peak memory and the median warm step's seconds."""
     if system == "lit_grpo":
-        seconds = run_length_lit(model, length, checkpointing, steps, release)
+        result = run_length_lit(model, length, checkpointing, steps, release, group_size, dtype, load_in_4bit)
     else:
-        seconds = run_length_trl(model, length, steps)
+        result = {"seconds": run_length_trl(model, length, steps, group_size, dtype)}
     gpu = torch.cuda.is_available()
-    return {"peak_mib": _peak_mib(gpu), "step_s": statistics.median(seconds[1:] or seconds), "gpu": gpu}
+    seconds = result.pop("seconds")
+    return {"peak_mib": _peak_mib(gpu), "step_s": statistics.median(seconds[1:] or seconds), "gpu": gpu, **result}
 
 
 def length_table(lengths: list[int], steps: int, model: str, systems: list[str], release: bool) -> None:
@@ -414,13 +504,24 @@ def main() -> None:
     parser.add_argument("--one", choices=list(CONFIGS), help=argparse.SUPPRESS)
     parser.add_argument("--length-child", choices=["lit_grpo", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--group-size", type=int, default=GROUP_SIZE, help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
+    parser.add_argument("--load-in-4bit", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         print("RESULT " + json.dumps(run_one(args.one, args.checkpointing)))
         return
     if args.length_child:
         result = run_length(
-            args.length_child, args.model, args.lengths[0], args.checkpointing, args.steps, args.release_host_memory
+            args.length_child,
+            args.model,
+            args.lengths[0],
+            args.checkpointing,
+            args.steps,
+            args.release_host_memory,
+            args.group_size,
+            args.dtype,
+            args.load_in_4bit,
         )
         print("RESULT " + json.dumps(result))
         return

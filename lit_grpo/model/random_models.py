@@ -66,6 +66,21 @@ SHAPES: dict[str, tuple[str, dict]] = {
             tie_word_embeddings=True,
         ),
     ),
+    "qwen2.5-3b": (
+        "qwen2",
+        dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=11008,
+            num_hidden_layers=36,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            max_position_embeddings=32768,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+        ),
+    ),
     "qwen2.5-7b": (
         "qwen2",
         dict(
@@ -82,7 +97,7 @@ SHAPES: dict[str, tuple[str, dict]] = {
         ),
     ),
 }
-"""Name -> (``model_type``, configuration): the shapes of SmolLM2-135M, Qwen2.5-1.5B and Qwen2.5-7B."""
+"""Name -> (``model_type``, configuration): the shapes of SmolLM2-135M and Qwen2.5-1.5B, 3B and 7B."""
 
 PAD, BOS, EOS = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 CHAT_TEMPLATE = (
