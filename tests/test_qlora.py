@@ -67,12 +67,10 @@ def test_qlora_step_trains_the_adapter_and_the_reference_is_the_4bit_base(model_
     adapter = {n: p.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}
     assert adapter and all("lora_" in n for n in adapter)
 
-    batch = _batch()
-    logprobs = completion_logprobs(policy, **batch, temperature=1.0)[0]  # [N, C]
-    # Snapshot after the first forward: bitsandbytes' CPU path repacks the 4-bit
-    # weights into its own layout the first time they are used.
     quantized = {n: p.detach().clone() for n, p in policy.named_parameters() if p.dtype == torch.uint8}
     assert quantized  # the base linear layers really are packed 4-bit weights
+    batch = _batch()
+    logprobs = completion_logprobs(policy, **batch, temperature=1.0)[0]  # [N, C]
     advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])  # [N]
     loss = grpo_loss(logprobs, logprobs.detach(), advantages, batch["completion_mask"], beta=0.0).loss
     loss.backward()
@@ -106,3 +104,50 @@ def test_a_4bit_reward_model_exports_adapter_and_head_only_and_says_so(model_dir
         module.export_adapter(tmp_path / "rm")
     assert sorted(p.name for p in (tmp_path / "rm").iterdir()) == [ADAPTER_DIR]
     assert (tmp_path / "rm" / ADAPTER_DIR / HEAD_FILE).is_file()
+
+
+def test_a_rollout_leaves_the_4bit_training_path_as_it_was(tmp_path):
+    # A Qwen2-shaped model: its q/k/v projections have biases. A rollout runs the policy in eval mode
+    # without grad; on a CPU with AVX-512 BF16, bitsandbytes then repacked the 4-bit weights for its
+    # inference kernel, which training went on to use: no gradient through the base layers (the lower
+    # adapters' gradients came out wrong) and, with a bias, an in-place error.
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lit_grpo.model.random_models import byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    config = AutoConfig.for_model(
+        "qwen2",
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    policy, _ = build_policy(PolicySpec(name_or_path=str(tmp_path), load_in_4bit=True, lora=LoraSpec(r=4)))
+    with torch.no_grad():
+        for name, parameter in policy.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.1)  # a trained adapter: gradients reach lora_A through the base path
+    assert policy.base_model.model.model.layers[0].self_attn.q_proj.base_layer.bias is not None
+
+    def gradients(batch) -> dict[str, torch.Tensor]:
+        policy.train()
+        policy.zero_grad()
+        completion_logprobs(policy, **batch, temperature=1.0)[0].sum().backward()
+        return {n: p.grad.clone() for n, p in policy.named_parameters() if p.requires_grad}
+
+    batch = _batch()
+    before = gradients(batch)
+    policy.eval()
+    _logprobs(policy, batch)  # as a rollout runs it
+    after = gradients(batch)
+    assert before.keys() == after.keys()
+    for name in before:
+        assert torch.equal(before[name], after[name]), name

@@ -230,6 +230,8 @@ def load_base_model(spec: PolicySpec) -> nn.Module:
         dtype=dtype,
         **kwargs,
     )
+    if spec.load_in_4bit:
+        keep_trainable_4bit_layout(model)
     if kwargs.get("gguf_file"):
         forget_gguf_quantizer(model)
     if spec.init_adapter:
@@ -237,6 +239,21 @@ def load_base_model(spec: PolicySpec) -> nn.Module:
     if spec.attn_implementation is None:
         use_sdpa_gqa(model)  # transformers' sdpa, minus its key/value copies for grouped-query heads
     return model
+
+
+def keep_trainable_4bit_layout(model: nn.Module) -> None:
+    """Keep bitsandbytes' 4-bit weights in the layout its differentiable matmul reads.
+
+    On a CPU with AVX-512 BF16, bitsandbytes repacks a ``Linear4bit``'s weight for
+    its inference kernel the first time the layer runs in eval mode without grad
+    (every rollout and reference pass) and keeps it so. Training forwards then run
+    that kernel too, which has no backward for its input: the gradient stops at
+    every 4-bit layer, so the adapters below it get wrong gradients, and a layer
+    with a bias (Qwen2's q/k/v projections) fails with an in-place error.
+    """
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
 
 
 def fold_adapter(model: nn.Module, path: str) -> nn.Module:
