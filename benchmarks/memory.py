@@ -152,14 +152,6 @@ def run_one(name: str, checkpointing: bool) -> dict:
     return {"peak_mib": _peak_mib(gpu), "seconds": seconds, "trainable": trainable, "gpu": gpu}
 
 
-def _current_mib(gpu: bool) -> float:
-    """This process's memory now: allocated CUDA memory on a GPU, else resident set size."""
-    if gpu:
-        return torch.cuda.memory_allocated() / 2**20
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * resource.getpagesize() / 2**20
-
-
 def _peak_mib(gpu: bool) -> float:
     """This process's peak memory so far: allocated CUDA memory on a GPU, else peak RSS."""
     if gpu:
@@ -204,10 +196,8 @@ def run_length_lit(
     """``steps`` GRPO steps (one rollout and one optimizer step each) with lit_grpo.
 
     Returns:
-        ``seconds``: each step's; ``loaded_mib``: the memory held when the first
-        rollout starts (the loaded model: RSS on CPU, allocated CUDA memory on a
-        GPU); ``saved_mib``: the largest micro-batch's activations saved for
-        backward; ``prompt_tokens``: the prompts' padded width.
+        ``seconds``: each step's; ``saved_mib``: the largest micro-batch's
+        activations saved for backward; ``prompt_tokens``: the prompts' padded width.
     """
     import lightning as L
 
@@ -217,11 +207,9 @@ def run_length_lit(
     from lit_grpo.training.host_memory import ReleaseHostMemory
 
     seconds: list[float] = []
-    loaded: list[float] = []
 
     class Timed(OnPolicyDataModule):
         def rollout_buffer(self):  # Lightning runs the rollout here, before on_train_epoch_start
-            loaded.append(_current_mib(torch.cuda.is_available()))
             self.started = time.perf_counter()
             return super().rollout_buffer()
 
@@ -306,7 +294,6 @@ def run_length_lit(
     trainer.fit(module, _length_data(length, Timed, group_size))
     return {
         "seconds": seconds,
-        "loaded_mib": loaded[0],
         "saved_mib": saved.largest_mib,
         "prompt_tokens": saved.prompt_tokens,
     }

@@ -16,7 +16,6 @@ Columns:
 
 * peak: the process's peak RSS on a CPU (model loading included),
   ``torch.cuda.max_memory_allocated`` on a GPU;
-* loaded: the memory held when the first rollout starts (the model);
 * saved: the bytes autograd keeps from the micro-batch's forward for its
   backward, each storage once and no parameter (independent of the allocator,
   so it carries over to a GPU; under checkpointing, what the checkpoints keep);
@@ -156,16 +155,15 @@ def main() -> None:
         return
     gpu = next(iter(results.values()))["gpu"]
     print(f"\nOne GRPO step, 1 prompt x G x N new tokens, LoRA r=16, bf16; {cpu_name() if not gpu else 'GPU'}")
-    print("| model | G x N | system | weights | grad ckpt | peak MiB | loaded MiB | saved MiB | step s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| model | G x N | system | weights | grad ckpt | peak MiB | saved MiB | step s |")
+    print("|---|---|---|---|---|---|---|---|")
     for (shape, group, length, system, config, checkpointing), r in results.items():
         saved = f"{r['saved_mib']:.0f}" if r.get("saved_mib") is not None else "-"
-        loaded = f"{r['loaded_mib']:.0f}" if r.get("loaded_mib") is not None else "-"
         label = "TRL" if system == "trl" else "lit_grpo"
         weights = "4-bit NF4" if config == "qlora" else "bf16"
         print(
             f"| {shape} | {group}x{length} | {label} | {weights} | {'yes' if checkpointing else 'no'} | "
-            f"{r['peak_mib']:.0f} | {loaded} | {saved} | {r['step_s']:.1f} |"
+            f"{r['peak_mib']:.0f} | {saved} | {r['step_s']:.1f} |"
         )
 
     prompts, group, length = (int(x) for x in args.target.split("x"))
