@@ -3,6 +3,7 @@
     python benchmarks/scale.py                                   # Qwen2.5-1.5B and 3B shapes
     python benchmarks/scale.py --shapes qwen2.5-1.5b --trl       # with TRL's GRPOTrainer beside it
     python benchmarks/scale.py --shapes qwen2.5-7b --configs qlora --checkpointing yes --sizes 4x32
+    python benchmarks/scale.py --from-log OUT.txt --target 8x8x384 --batch-size 16   # another estimate
 
 The models are randomly initialised at the real shapes of Qwen2.5-1.5B, 3B
 and 7B (``lit_grpo.model.random_models``; no download, the sizes are what
@@ -109,13 +110,15 @@ def counted(shape: str, config: str, rows: int, tokens: int) -> dict[str, float]
     other = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2) + c.hidden_size * (
         2 * c.num_hidden_layers + 1
     )
-    # NF4: half a byte per weight, one fp8 absmax per 64 (double quantization), in the decoder's linears only.
+    # NF4: half a byte per weight, one fp8 absmax per 64 (double quantization), in the decoder's linears only;
+    # peft's k-bit preparation (standard QLoRA, TRL's too) upcasts the rest (embedding, head, norms) to fp32.
     linear_bytes = linear_params * (0.5 + 1 / 64) if config == "qlora" else linear_params * 2
+    other_bytes = other * (4 if config == "qlora" else 2)
     lora = sum(16 * (i + o) for i, o in linears)
     kv = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 2 * rows * tokens  # bf16 keys and values
     mib = 2**20
     return {
-        "weights": (linear_bytes + other * 2) / mib,
+        "weights": (linear_bytes + other_bytes) / mib,
         "lora_state": lora * 16 / mib,  # fp32 weight, gradient and AdamW's two moments
         "kv_cache": kv / mib,
         "layers": c.num_hidden_layers,
@@ -134,12 +137,20 @@ def main() -> None:
     parser.add_argument("--target", default="8x8x512", help="prompts x G x new tokens of the GPU estimate.")
     parser.add_argument("--gpu-gib", type=float, default=24.0, help="The GPU's memory for the estimate.")
     parser.add_argument("--prompt-tokens", type=int, default=256, help="Prompt length of the GPU estimate.")
+    parser.add_argument("--batch-size", type=int, help="Rows per micro-batch of the GPU estimate (default: G).")
+    parser.add_argument("--from-log", type=Path, help="Take the steps from an earlier run's output; run none.")
     parser.add_argument("--models-dir", type=Path, default=Path.home() / ".cache" / "lit_grpo" / "random_models")
     args = parser.parse_args()
     sizes = [tuple(int(x) for x in size.split("x")) for size in args.sizes]
 
     results = {}
-    for shape in args.shapes:
+    if args.from_log:  # the RESULT lines of earlier runs: the tables again, for another target
+        for line in args.from_log.read_text().splitlines():
+            if line.startswith("RESULT "):
+                *key, result = json.loads(line[len("RESULT ") :])
+                if key[0] in args.shapes:
+                    results[tuple(key)] = result
+    for shape in [] if args.from_log else args.shapes:
         folder = model_folder(shape, args.models_dir)
         for group, length in sizes:
             runs = [("lit_grpo", config, ckpt == "yes") for config in args.configs for ckpt in args.checkpointing]
@@ -167,8 +178,9 @@ def main() -> None:
         )
 
     prompts, group, length = (int(x) for x in args.target.split("x"))
+    rows = args.batch_size or group
     print(
-        f"\nEstimate for one {args.gpu_gib:g} GiB GPU at {args.target} (a micro-batch of {group} rows, the rollout's "
+        f"\nEstimate for one {args.gpu_gib:g} GiB GPU at {args.target} (a micro-batch of {rows} rows, the rollout's "
         f"{prompts * group} rows at once, {args.prompt_tokens}-token prompts): an extrapolation until a GPU runs it"
     )
     print(
@@ -184,7 +196,7 @@ def main() -> None:
                 points = [(g * (r["prompt_tokens"] + n), r["saved_mib"]) for (g, n), r in zip(sizes, measured) if r]
                 if len(points) >= 2:
                     (t0, s0), (t1, s1) = points[0], points[-1]
-                    saved[checkpointing] = s0 + (s1 - s0) / (t1 - t0) * (group * (args.prompt_tokens + length) - t0)
+                    saved[checkpointing] = s0 + (s1 - s0) / (t1 - t0) * (rows * (args.prompt_tokens + length) - t0)
             parts = counted(shape, config, prompts * group, args.prompt_tokens + length)
             for checkpointing, activations in saved.items():
                 if checkpointing and False in saved:  # the layer recomputed in backward, on top of the checkpoints
