@@ -24,6 +24,8 @@ each with and without gradient checkpointing.
 Completion length (needs TRL: ``pip install -e .[bench]``)::
 
     python benchmarks/memory.py --lengths 64 256 1024
+    python benchmarks/memory.py --lengths 256 1024 4096 --dtype bfloat16 --lit-checkpointing yes \
+        --release-host-memory --cap-gib 20 --steps 1 --plot growth.png
 
 One table of peak memory and seconds per step against completion length:
 lit_grpo's LoRA without and with gradient checkpointing beside TRL's
@@ -32,7 +34,8 @@ run it. Each row is a fresh process running ``--steps`` steps (default 2) of
 1 prompt x G=8 completions sampled to exactly the given length (lit_grpo:
 ``SamplingSpec(ignore_eos=True)``; TRL: ``generation_kwargs={"min_new_tokens":
 length}``), so every step trains 8 x length completion tokens. Both sides: the
-embedded SmolLM2-135M-Instruct in fp32, a LoRA adapter (r=16, alpha=32, no
+embedded SmolLM2-135M-Instruct in fp32 (``--dtype bfloat16``: bf16 weights, and TRL's bf16
+autocast), a LoRA adapter (r=16, alpha=32, no
 dropout, all linear layers but the head), the built-in ``arithmetic`` prompts
 (lit_grpo's order, chat-formatted by lit_grpo), the accuracy reward,
 beta=0.04 (the reference, adapter disabled, is scored too), clip 0.2, the
@@ -41,7 +44,9 @@ temperature 0.8. A step is timed from the start of its rollout to the end of
 its optimizer step; seconds per step is the median over the steps after the
 first (warm-up). Peak memory is measured as for the first table (the child's
 peak RSS, model loading included, on CPU; allocated CUDA memory on a GPU),
-and completions that are not exactly the given length fail the row. A smoke
+and completions that are not exactly the given length fail the row. Then
+the exponent k each row grows with (value ~ N^k) between consecutive lengths,
+and with ``--plot`` both on log-log axes. A smoke
 run on a tiny random model::
 
     python -c "import torch; from lit_grpo.model.random_models import save_random_model; \\
@@ -410,13 +415,24 @@ def run_length(
     return {"peak_mib": _peak_mib(gpu), "step_s": statistics.median(seconds[1:] or seconds), "gpu": gpu, **result}
 
 
-def length_table(lengths: list[int], steps: int, model: str, systems: list[str], release: bool) -> None:
-    """Print the length table (the rows of ``systems``), each row from a fresh process."""
+def length_table(
+    lengths: list[int],
+    steps: int,
+    model: str,
+    systems: list[str],
+    release: bool,
+    dtype: str = "float32",
+    lit_checkpointing: tuple[bool, ...] = (False, True),
+    cap_gib: float | None = None,
+    plot: str | None = None,
+) -> None:
+    """Print the length table (the rows of ``systems``), each row from a fresh process, and how each row grows."""
     from importlib.metadata import version
 
     rows = {}
+    wanted = [(s, c) for s, c in LENGTH_ROWS if s in systems and (s != "lit_grpo" or c in lit_checkpointing)]
     for length in lengths:
-        for system, checkpointing in (row for row in LENGTH_ROWS if row[0] in systems):
+        for system, checkpointing in wanted:
             command = [
                 sys.executable,
                 __file__,
@@ -428,19 +444,24 @@ def length_table(lengths: list[int], steps: int, model: str, systems: list[str],
                 str(steps),
                 "--model",
                 model,
+                "--dtype",
+                dtype,
             ] + (["--checkpointing"] if checkpointing else [])
             if release and system == "lit_grpo":
                 command.append("--release-host-memory")
-            result = _child(command, f"{system} at {length} tokens (checkpointing={checkpointing})")
+            result = _child(command, f"{system} at {length} tokens (checkpointing={checkpointing})", cap_gib)
             if result is not None:
                 rows[length, system, checkpointing] = result
+                print(f"RESULT {json.dumps([length, system, checkpointing, result])}", flush=True)
     if not rows:
         return
     measure = "torch.cuda.max_memory_allocated" if next(iter(rows.values()))["gpu"] else "peak RSS (ru_maxrss)"
     timing = {1: "step 1, warm-up included", 2: "step 2"}.get(steps, f"median of steps 2-{steps}")
     print(
         f"GRPO steps, {model}, LoRA r=16, 1 prompt x G={GROUP_SIZE} completions of exactly N tokens, beta=0.04, "
-        f"fp32; {measure}; step s: {timing}" + ("; lit_grpo with ReleaseHostMemory" if release else "")
+        f"{dtype}; {measure}; step s: {timing}"
+        + ("; lit_grpo with ReleaseHostMemory" if release else "")
+        + (f"; each process capped at {cap_gib:g} GiB of address space" if cap_gib else "")
     )
     print("| N tokens | system         | grad ckpt | peak MiB | step s | peak / TRL | step / TRL |")
     print("|----------|----------------|-----------|----------|--------|------------|------------|")
@@ -457,11 +478,57 @@ def length_table(lengths: list[int], steps: int, model: str, systems: list[str],
             f"| {length:8d} | {labels[system]:<14} | {'yes' if checkpointing else 'no':<9} | "
             f"{r['peak_mib']:8.0f} | {r['step_s']:6.1f} | {ratios} |"
         )
+    _growth(rows, labels, plot)
 
 
-def _child(command: list[str], label: str) -> dict | None:
-    """Run ``command`` (this script in a child role); its ``RESULT`` line, or ``None`` after reporting a failure."""
-    out = subprocess.run(command, capture_output=True, text=True)
+def _growth(rows: dict, labels: dict[str, str], plot: str | None) -> None:
+    """The exponent k of each row's growth (value ~ N^k) between consecutive lengths; a log-log plot."""
+    import math
+
+    series: dict[tuple[str, bool], list[tuple[int, dict]]] = {}
+    for (length, system, checkpointing), r in sorted(rows.items()):
+        series.setdefault((system, checkpointing), []).append((length, r))
+    print("\n| system | grad ckpt | from N | to N | step s grows as N^ | peak MiB grows as N^ |")
+    print("|---|---|---|---|---|---|")
+    for (system, checkpointing), points in series.items():
+        for (n0, r0), (n1, r1) in zip(points, points[1:]):
+            k_step = math.log(r1["step_s"] / r0["step_s"]) / math.log(n1 / n0)
+            k_peak = math.log(r1["peak_mib"] / r0["peak_mib"]) / math.log(n1 / n0)
+            ckpt = "yes" if checkpointing else "no"
+            print(f"| {labels[system]} | {ckpt} | {n0} | {n1} | {k_step:.2f} | {k_peak:.2f} |")
+    if plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib import pyplot as plt
+
+        figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+        for (system, checkpointing), points in series.items():
+            label = f"{labels[system]}, checkpointing {'on' if checkpointing else 'off'}"
+            lengths = [n for n, _ in points]
+            left.plot(lengths, [r["step_s"] for _, r in points], marker="o", label=label)
+            right.plot(lengths, [r["peak_mib"] / 1024 for _, r in points], marker="o", label=label)
+        for axis, name in ((left, "seconds per step"), (right, "peak memory, GiB")):
+            axis.set(xscale="log", yscale="log", xlabel="completion tokens (1 prompt x 8)", ylabel=name)
+            axis.grid(True, which="both", alpha=0.3)
+        left.legend(fontsize=8)
+        figure.tight_layout()
+        figure.savefig(plot, dpi=110)
+        print(f"plot: {plot}")
+
+
+def _child(command: list[str], label: str, cap_gib: float | None = None) -> dict | None:
+    """Run ``command`` (this script in a child role); its ``RESULT`` line, or ``None`` after reporting a failure.
+
+    ``cap_gib`` limits the child's address space, so a row that would not fit fails alone
+    (an allocation error) instead of waking the kernel's OOM killer.
+    """
+
+    def cap() -> None:
+        limit = int(cap_gib * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    out = subprocess.run(command, capture_output=True, text=True, preexec_fn=cap if cap_gib else None)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode != 0 or not lines:
         print(f"{label} failed:\n{out.stderr[-2000:]}", file=sys.stderr)
@@ -492,7 +559,21 @@ def main() -> None:
     parser.add_argument("--length-child", choices=["lit_grpo", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--group-size", type=int, default=GROUP_SIZE, help=argparse.SUPPRESS)
-    parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="Weights of the length table's rows (TRL's bfloat16 also turns on its bf16 autocast).",
+    )
+    parser.add_argument(
+        "--lit-checkpointing",
+        nargs="+",
+        choices=["no", "yes"],
+        default=["no", "yes"],
+        help="lit_grpo's rows of the length table: without and/or with gradient checkpointing.",
+    )
+    parser.add_argument("--cap-gib", type=float, help="Address-space cap of each row's process (GiB).")
+    parser.add_argument("--plot", help="Write the length table's log-log plot to this PNG.")
     parser.add_argument("--load-in-4bit", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -513,7 +594,17 @@ def main() -> None:
         print("RESULT " + json.dumps(result))
         return
     if args.lengths:
-        length_table(args.lengths, args.steps, args.model, args.systems, args.release_host_memory)
+        length_table(
+            args.lengths,
+            args.steps,
+            args.model,
+            args.systems,
+            args.release_host_memory,
+            args.dtype,
+            tuple(c == "yes" for c in args.lit_checkpointing),
+            args.cap_gib,
+            args.plot,
+        )
         return
     rows = []
     for name in CONFIGS:
