@@ -115,7 +115,8 @@ def counted(shape: str, config: str, rows: int, tokens: int) -> dict[str, float]
     linear_bytes = linear_params * (0.5 + 1 / 64) if config == "qlora" else linear_params * 2
     other_bytes = other * (4 if config == "qlora" else 2)
     lora = sum(16 * (i + o) for i, o in linears)
-    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 2 * rows * tokens  # bf16 keys and values
+    # Keys are rotated in the fp32 residual stream (lit_grpo.model.stream) and cached so; values are bf16.
+    kv = c.num_hidden_layers * c.num_key_value_heads * head_dim * (4 + 2) * rows * tokens
     mib = 2**20
     return {
         "weights": (linear_bytes + other_bytes) / mib,
