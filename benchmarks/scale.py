@@ -4,6 +4,7 @@
     python benchmarks/scale.py --shapes qwen2.5-1.5b --trl       # with TRL's GRPOTrainer beside it
     python benchmarks/scale.py --shapes qwen2.5-7b --configs qlora --checkpointing yes --sizes 4x32
     python benchmarks/scale.py --from-log OUT.txt --target 8x8x384 --batch-size 16   # another estimate
+    python benchmarks/scale.py --from-log OUT.txt --shapes qwen2.5-7b --scale-from qwen2.5-3b   # unmeasured shape
 
 The models are randomly initialised at the real shapes of Qwen2.5-1.5B, 3B
 and 7B (``lit_grpo.model.random_models``; no download, the sizes are what
@@ -140,6 +141,10 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=256, help="Prompt length of the GPU estimate.")
     parser.add_argument("--batch-size", type=int, help="Rows per micro-batch of the GPU estimate (default: G).")
     parser.add_argument("--from-log", type=Path, help="Take the steps from an earlier run's output; run none.")
+    parser.add_argument(
+        "--scale-from",
+        help="With --from-log: estimate the shapes not measured from this measured shape, scaled by layers x hidden.",
+    )
     parser.add_argument("--models-dir", type=Path, default=Path.home() / ".cache" / "lit_grpo" / "random_models")
     args = parser.parse_args()
     sizes = [tuple(int(x) for x in size.split("x")) for size in args.sizes]
@@ -149,7 +154,7 @@ def main() -> None:
         for line in args.from_log.read_text().splitlines():
             if line.startswith("RESULT "):
                 *key, result = json.loads(line[len("RESULT ") :])
-                if key[0] in args.shapes:
+                if key[0] in [*args.shapes, args.scale_from]:
                     results[tuple(key)] = result
     for shape in [] if args.from_log else args.shapes:
         folder = model_folder(shape, args.models_dir)
@@ -189,27 +194,52 @@ def main() -> None:
         "| training activations GiB | peak GiB | fits |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
+    tokens = rows * (args.prompt_tokens + length)
     for shape in args.shapes:
         for config in args.configs:
+            source, ratio = shape, 1.0
+            if args.scale_from and not any(key[0] == shape for key in results):
+                # Saved activations grow with layers x hidden size (the checkpoints keep each layer's input):
+                # another shape's measured bytes per token, scaled by that ratio.
+                source, ratio = args.scale_from, _layers_x_hidden(shape) / _layers_x_hidden(args.scale_from)
             saved = {}
             for checkpointing in (False, True):
-                measured = [results.get((shape, g, n, "lit_grpo", config, checkpointing)) for g, n in sizes]
-                points = [(g * (r["prompt_tokens"] + n), r["saved_mib"]) for (g, n), r in zip(sizes, measured) if r]
-                if len(points) >= 2:
-                    (t0, s0), (t1, s1) = points[0], points[-1]
-                    saved[checkpointing] = s0 + (s1 - s0) / (t1 - t0) * (rows * (args.prompt_tokens + length) - t0)
+                value = _saved_at(results, source, config, checkpointing, sizes, tokens)
+                if value is not None:
+                    saved[checkpointing] = value * ratio
             parts = counted(shape, config, prompts * group, args.prompt_tokens + length)
             for checkpointing, activations in saved.items():
-                if checkpointing and False in saved:  # the layer recomputed in backward, on top of the checkpoints
-                    activations += saved[False] / parts["layers"]
+                note = f" (from {source})" if source != shape else ""
+                if checkpointing:  # the layer recomputed in backward, on top of the checkpoints
+                    if False in saved:
+                        activations += saved[False] / parts["layers"]
+                    else:
+                        note += " (no recomputed layer: no step without checkpointing)"
                 # The rollout's cache is freed before the training passes: the larger of the two counts.
                 peak = (parts["weights"] + parts["lora_state"] + max(parts["kv_cache"], activations)) / 1024
                 print(
                     f"| {shape} | {'4-bit NF4' if config == 'qlora' else 'bf16'} | "
                     f"{'yes' if checkpointing else 'no'} | {parts['weights'] / 1024:.1f} | "
-                    f"{parts['lora_state'] / 1024:.2f} | {parts['kv_cache'] / 1024:.1f} | {activations / 1024:.1f} | "
-                    f"{peak:.1f} | {'yes' if peak < args.gpu_gib * 0.9 else 'no'} |"
+                    f"{parts['lora_state'] / 1024:.2f} | {parts['kv_cache'] / 1024:.1f} | "
+                    f"{activations / 1024:.1f}{note} | {peak:.1f} | {'yes' if peak < args.gpu_gib * 0.9 else 'no'} |"
                 )
+
+
+def _saved_at(results: dict, shape: str, config: str, checkpointing: bool, sizes, tokens: int) -> float | None:
+    """Saved activations (MiB) of a micro-batch of ``tokens``, linear through the first and last measured size."""
+    measured = [results.get((shape, g, n, "lit_grpo", config, checkpointing)) for g, n in sizes]
+    points = [(g * (r["prompt_tokens"] + n), r["saved_mib"]) for (g, n), r in zip(sizes, measured) if r]
+    if len(points) < 2:
+        return None
+    (t0, s0), (t1, s1) = points[0], points[-1]
+    return s0 + (s1 - s0) / (t1 - t0) * (tokens - t0)
+
+
+def _layers_x_hidden(shape: str) -> int:
+    from lit_grpo.model.random_models import SHAPES
+
+    sizes = SHAPES[shape][1]
+    return sizes["num_hidden_layers"] * sizes["hidden_size"]
 
 
 if __name__ == "__main__":
