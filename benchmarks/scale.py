@@ -202,14 +202,19 @@ def main() -> None:
                 # Saved activations grow with layers x hidden size (the checkpoints keep each layer's input):
                 # another shape's measured bytes per token, scaled by that ratio.
                 source, ratio = args.scale_from, _layers_x_hidden(shape) / _layers_x_hidden(args.scale_from)
-            saved = {}
+            saved, borrowed = {}, ""
             for checkpointing in (False, True):
                 value = _saved_at(results, source, config, checkpointing, sizes, tokens)
+                if value is None and config == "qlora" and checkpointing:
+                    # Under checkpointing both keep the same layer inputs of the fp32 stream (measured equal at
+                    # every size both ran), so the slow 4-bit CPU steps need not run at both sizes.
+                    value = _saved_at(results, source, "lora", True, sizes, tokens)
+                    borrowed = " (LoRA's)" if value is not None else ""
                 if value is not None:
                     saved[checkpointing] = value * ratio
             parts = counted(shape, config, prompts * group, args.prompt_tokens + length)
             for checkpointing, activations in saved.items():
-                note = f" (from {source})" if source != shape else ""
+                note = (f" (from {source})" if source != shape else "") + (borrowed if checkpointing else "")
                 if checkpointing:  # the layer recomputed in backward, on top of the checkpoints
                     if False in saved:
                         activations += saved[False] / parts["layers"]
