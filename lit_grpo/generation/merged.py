@@ -4,8 +4,7 @@ Decoding runs the whole model once per new token on a few dozen rows, so its
 cost is per-layer overhead and weight reads more than arithmetic. A LoRA
 policy pays for its adapter in every adapted layer at every step (two extra
 small matmuls, a scale and an add each): a tenth to a quarter of a decode
-step on a CPU (a 32 x 24-token rollout of SmolLM2-135M: 4.28 s through the
-adapter, 3.77 s merged). :class:`MergedPolicy` holds an empty skeleton of the plain model and, for
+step on a CPU (docs/speed.md). :class:`MergedPolicy` holds an empty skeleton of the plain model and, for
 one rollout at a time, fills it with ``W + scale * B @ A`` for the adapted
 layers and the policy's own tensors (shared, not copied) for everything else.
 The merged weights are freed when the rollout ends, so they never add to the

@@ -66,9 +66,8 @@ def measure_matmul_flops(dtype: torch.dtype, device: torch.device | str = "cpu",
     One product warms up, then products run for at least ``seconds``; the
     best of three such rounds is returned (a shared machine slows some). A
     warm-up product that alone takes longer than ``seconds`` is the figure:
-    where the CPU emulates the dtype it takes about 10 s (0.4 GFLOP/s against
-    170 in fp32 on an AMD EPYC without bf16 units), and three more rounds
-    would not change which dtype is faster.
+    where the CPU emulates the dtype one product takes seconds, and three more
+    rounds would not change which dtype is faster.
     """
     m, k, n = PROBE_SHAPE
     generator = torch.Generator().manual_seed(0)
@@ -243,8 +242,7 @@ def warn_if_bf16_slower(cache_dir: str | None = None) -> None:
     """Warn when bf16 was asked for on a CPU whose bf16 matmuls are slower than its fp32 ones.
 
     Such a CPU (no AMX, no AVX-512 BF16 units) emulates bf16, and the whole
-    run slows with it: on one EPYC a reward-model step took 25 s in bf16 and
-    about 2 s in fp32, which ``policy.dtype: auto`` would have picked.
+    run slows with it, several times over; ``policy.dtype: auto`` would pick fp32.
     """
     flops = cpu_matmul_flops(cache_dir)
     if flops["bfloat16"] < flops["float32"]:

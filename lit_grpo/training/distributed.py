@@ -11,7 +11,7 @@ Sampling is the exception. The rollout's decode loop calls the model's
 ``register_fsdp_forward_method`` is needed), and with per-layer resharding
 every decoding step would all-gather every layer again. :func:`gathered`
 unshards every unit once, keeps the full weights for the whole rollout and
-reshards afterwards: about 3x faster than per-step gathers on CPU/gloo, for
+reshards afterwards: one gather a rollout instead of one a decoding step, for
 one full copy of the weights held while sampling.
 
 Logged metrics are the other place where ranks must meet. Lightning's

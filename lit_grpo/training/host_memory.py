@@ -15,8 +15,8 @@ RSS falls back to 1.1 GB after it.
 which also stops glibc raising it): every block above it is mapped on its own
 and unmapped when freed. PyTorch has no caching allocator for CPU tensors, so
 nothing else holds on to them. The price is a page fault for every page of
-every large tensor: that pass took 21 s instead of 14 s here (a VM, where
-faults are dear), so it is a switch, the :class:`ReleaseHostMemory` callback,
+every large tensor (half as much time again on the VM it was measured on,
+docs/scale.md), so it is a switch, the :class:`ReleaseHostMemory` callback,
 for runs that are bound by memory (long completions on a CPU), not a default.
 It is process-wide; it leaves alone a process whose threshold the user set
 (``MALLOC_MMAP_THRESHOLD_``, ``GLIBC_TUNABLES``) and one whose malloc is not
@@ -60,9 +60,7 @@ def return_freed_memory() -> bool:
 class ReleaseHostMemory(L.Callback):
     """Hand freed host memory back to the OS at once when the run trains on a CPU.
 
-    Trades speed for peak memory (see the module docstring): measured on the
-    embedded model, 1 prompt x 8 completions of 1024 tokens with gradient
-    checkpointing, peak RSS 7.8 -> 2.5 GB and the step 99 -> 143 s.
+    Trades speed for peak memory (see the module docstring; figures in docs/scale.md).
     In YAML: ``trainer.callbacks: [{class_path: lit_grpo.training.host_memory.ReleaseHostMemory}]``.
     """
 
