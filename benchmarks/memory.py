@@ -65,6 +65,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -425,13 +426,19 @@ def length_table(
     lit_checkpointing: tuple[bool, ...] = (False, True),
     cap_gib: float | None = None,
     plot: str | None = None,
+    from_log: Path | None = None,
 ) -> None:
     """Print the length table (the rows of ``systems``), each row from a fresh process, and how each row grows."""
     from importlib.metadata import version
 
     rows = {}
     wanted = [(s, c) for s, c in LENGTH_ROWS if s in systems and (s != "lit_grpo" or c in lit_checkpointing)]
-    for length in lengths:
+    if from_log:  # the RESULT lines of an earlier run (one stopped part-way, too): its table and plot
+        for line in from_log.read_text().splitlines():
+            if line.startswith("RESULT "):
+                length, system, checkpointing, result = json.loads(line[len("RESULT ") :])
+                rows[length, system, checkpointing] = result
+    for length in [] if from_log else lengths:
         for system, checkpointing in wanted:
             command = [
                 sys.executable,
@@ -574,6 +581,7 @@ def main() -> None:
     )
     parser.add_argument("--cap-gib", type=float, help="Address-space cap of each row's process (GiB).")
     parser.add_argument("--plot", help="Write the length table's log-log plot to this PNG.")
+    parser.add_argument("--from-log", type=Path, help="The length table from an earlier run's output; run none.")
     parser.add_argument("--load-in-4bit", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -593,7 +601,7 @@ def main() -> None:
         )
         print("RESULT " + json.dumps(result))
         return
-    if args.lengths:
+    if args.lengths or args.from_log:
         length_table(
             args.lengths,
             args.steps,
@@ -604,6 +612,7 @@ def main() -> None:
             tuple(c == "yes" for c in args.lit_checkpointing),
             args.cap_gib,
             args.plot,
+            args.from_log,
         )
         return
     rows = []
