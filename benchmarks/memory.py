@@ -515,8 +515,16 @@ def _growth(rows: dict, labels: dict[str, str], plot: str | None) -> None:
             lengths = [n for n, _ in points]
             left.plot(lengths, [r["step_s"] for _, r in points], marker="o", label=label)
             right.plot(lengths, [r["peak_mib"] / 1024 for _, r in points], marker="o", label=label)
+        from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+        lengths = sorted({n for points in series.values() for n, _ in points})
         for axis, name in ((left, "seconds per step"), (right, "peak memory, GiB")):
             axis.set(xscale="log", yscale="log", xlabel="completion tokens (1 prompt x 8)", ylabel=name)
+            axis.set_xticks(lengths)
+            axis.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+            for scale in (axis.xaxis, axis.yaxis):
+                scale.set_major_formatter(ScalarFormatter())
+                scale.set_minor_formatter(NullFormatter())
             axis.grid(True, which="both", alpha=0.3)
         left.legend(fontsize=8)
         figure.tight_layout()
