@@ -436,8 +436,10 @@ def length_table(
     if from_log:  # the RESULT lines of an earlier run (one stopped part-way, too): its table and plot
         for line in from_log.read_text().splitlines():
             if line.startswith("RESULT "):
-                length, system, checkpointing, result = json.loads(line[len("RESULT ") :])
-                rows[length, system, checkpointing] = result
+                fields = json.loads(line[len("RESULT ") :])
+                if len(fields) == 4:  # the length table's (not scale.py's)
+                    length, system, checkpointing, result = fields
+                    rows[length, system, checkpointing] = result
     for length in [] if from_log else lengths:
         for system, checkpointing in wanted:
             command = [
@@ -456,7 +458,7 @@ def length_table(
             ] + (["--checkpointing"] if checkpointing else [])
             if release and system == "lit_grpo":
                 command.append("--release-host-memory")
-            result = _child(command, f"{system} at {length} tokens (checkpointing={checkpointing})", cap_gib)
+            result = run_child(command, f"{system} at {length} tokens (checkpointing={checkpointing})", cap_gib)
             if result is not None:
                 rows[length, system, checkpointing] = result
                 print(f"RESULT {json.dumps([length, system, checkpointing, result])}", flush=True)
@@ -532,12 +534,17 @@ def _growth(rows: dict, labels: dict[str, str], plot: str | None) -> None:
         print(f"plot: {plot}")
 
 
-def _child(command: list[str], label: str, cap_gib: float | None = None) -> dict | None:
+def run_child(command: list[str], label: str, cap_gib: float | None = None) -> dict | None:
     """Run ``command`` (this script in a child role); its ``RESULT`` line, or ``None`` after reporting a failure.
 
-    ``cap_gib`` limits the child's address space, so a row that would not fit fails alone
-    (an allocation error) instead of waking the kernel's OOM killer.
+    ``cap_gib`` limits the child's virtual address space (``RLIMIT_AS``: mapped files and
+    thread stacks count too), so a row that would not fit fails alone (an allocation error)
+    instead of waking the kernel's OOM killer. CUDA reserves far more address space than it
+    uses, so on a GPU the cap is left off.
     """
+    if cap_gib and torch.cuda.is_available():
+        print("--cap-gib is left off on a GPU (CUDA reserves address space it does not use)", file=sys.stderr)
+        cap_gib = None
 
     def cap() -> None:
         limit = int(cap_gib * 2**30)
@@ -587,9 +594,13 @@ def main() -> None:
         default=["no", "yes"],
         help="lit_grpo's rows of the length table: without and/or with gradient checkpointing.",
     )
-    parser.add_argument("--cap-gib", type=float, help="Address-space cap of each row's process (GiB).")
+    parser.add_argument("--cap-gib", type=float, help="Virtual address-space cap of each row's process (GiB, CPU).")
     parser.add_argument("--plot", help="Write the length table's log-log plot to this PNG.")
-    parser.add_argument("--from-log", type=Path, help="The length table from an earlier run's output; run none.")
+    parser.add_argument(
+        "--from-log",
+        type=Path,
+        help="The length table from an earlier run's output; run none (give the run's --dtype etc. for the header).",
+    )
     parser.add_argument("--load-in-4bit", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -627,7 +638,7 @@ def main() -> None:
     for name in CONFIGS:
         for checkpointing in (False, True):
             command = [sys.executable, __file__, "--one", name] + (["--checkpointing"] if checkpointing else [])
-            result = _child(command, f"{name} (checkpointing={checkpointing})")
+            result = run_child(command, f"{name} (checkpointing={checkpointing})")
             if result is not None:
                 rows.append((name, checkpointing, result))
     measure = "torch.cuda.max_memory_allocated" if rows and rows[0][2]["gpu"] else "peak RSS (ru_maxrss)"

@@ -43,14 +43,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
+from lit_grpo.model.logprob_passes import CHECKPOINTED_PASS_TOKENS
+
 HERE = Path(__file__).parent
 CONFIGS = {"lora": [], "qlora": ["--load-in-4bit"]}
+WEIGHTS = {"lora": "bf16", "qlora": "4-bit NF4"}
 
 
 def model_folder(shape: str, models_dir: Path) -> Path:
@@ -63,8 +65,12 @@ def model_folder(shape: str, models_dir: Path) -> Path:
     return save_random_model(shape, folder, torch.bfloat16)
 
 
-def one_step(system: str, folder: Path, group: int, length: int, config: str, checkpointing: bool) -> dict | None:
+def one_step(
+    system: str, folder: Path, group: int, length: int, config: str, checkpointing: bool, cap_gib: float | None
+) -> dict | None:
     """One GRPO step in a fresh process (memory.py's length child); its RESULT, or None on failure."""
+    from memory import run_child
+
     command = [
         sys.executable,
         str(HERE / "memory.py"),
@@ -82,12 +88,9 @@ def one_step(system: str, folder: Path, group: int, length: int, config: str, ch
         "bfloat16",
         *CONFIGS[config],
     ] + (["--checkpointing"] if checkpointing else [])
-    out = subprocess.run(command, capture_output=True, text=True)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    if out.returncode != 0 or not lines:
-        print(f"{system} {config} {group}x{length} failed:\n{out.stderr[-3000:]}", file=sys.stderr)
-        return None
-    return json.loads(lines[-1][len("RESULT ") :])
+    return run_child(
+        command, f"{folder.name} {system} {config} {group}x{length} (checkpointing={checkpointing})", cap_gib
+    )
 
 
 def counted(shape: str, config: str, rows: int, tokens: int) -> dict[str, float]:
@@ -116,8 +119,9 @@ def counted(shape: str, config: str, rows: int, tokens: int) -> dict[str, float]
     linear_bytes = linear_params * (0.5 + 1 / 64) if config == "qlora" else linear_params * 2
     other_bytes = other * (4 if config == "qlora" else 2)
     lora = sum(16 * (i + o) for i, o in linears)
-    # Keys are rotated in the fp32 residual stream (lit_grpo.model.stream) and cached so; values are bf16.
-    kv = c.num_hidden_layers * c.num_key_value_heads * head_dim * (4 + 2) * rows * tokens
+    # Keys are rotated in the fp32 residual stream (lit_grpo.model.stream) and cached so; values are a bf16
+    # matmul's output, except in 4-bit, where the fp32 embedding turns the stream's autocast off.
+    kv = c.num_hidden_layers * c.num_key_value_heads * head_dim * (4 + (4 if config == "qlora" else 2)) * rows * tokens
     mib = 2**20
     return {
         "weights": (linear_bytes + other_bytes) / mib,
@@ -129,9 +133,10 @@ def counted(shape: str, config: str, rows: int, tokens: int) -> dict[str, float]
 
 def main() -> None:
     from lit_grpo.model.hardware import cpu_name
+    from lit_grpo.model.random_models import SHAPES
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", default=["qwen2.5-1.5b", "qwen2.5-3b"])
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=["qwen2.5-1.5b", "qwen2.5-3b"])
     parser.add_argument("--sizes", nargs="+", default=["4x128", "8x256"], help="G x new tokens, 1 prompt each.")
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--checkpointing", nargs="+", choices=["no", "yes"], default=["no", "yes"])
@@ -143,9 +148,11 @@ def main() -> None:
     parser.add_argument("--from-log", type=Path, help="Take the steps from an earlier run's output; run none.")
     parser.add_argument(
         "--scale-from",
+        choices=list(SHAPES),
         help="With --from-log: estimate the shapes not measured from this measured shape, scaled by layers x hidden.",
     )
     parser.add_argument("--models-dir", type=Path, default=Path.home() / ".cache" / "lit_grpo" / "random_models")
+    parser.add_argument("--cap-gib", type=float, help="Address-space cap of each step's process (GiB), as memory.py's.")
     args = parser.parse_args()
     sizes = [tuple(int(x) for x in size.split("x")) for size in args.sizes]
 
@@ -163,7 +170,7 @@ def main() -> None:
             if args.trl:
                 runs.append(("trl", "lora", True))
             for system, config, checkpointing in runs:
-                result = one_step(system, folder, group, length, config, checkpointing)
+                result = one_step(system, folder, group, length, config, checkpointing, args.cap_gib)
                 if result:
                     results[shape, group, length, system, config, checkpointing] = result
                     print(f"RESULT {json.dumps([shape, group, length, system, config, checkpointing, result])}")
@@ -177,9 +184,8 @@ def main() -> None:
     for (shape, group, length, system, config, checkpointing), r in results.items():
         saved = f"{r['saved_mib']:.0f}" if r.get("saved_mib") is not None else "-"
         label = "TRL" if system == "trl" else "lit_grpo"
-        weights = "4-bit NF4" if config == "qlora" else "bf16"
         print(
-            f"| {shape} | {group}x{length} | {label} | {weights} | {'yes' if checkpointing else 'no'} | "
+            f"| {shape} | {group}x{length} | {label} | {WEIGHTS[config]} | {'yes' if checkpointing else 'no'} | "
             f"{r['peak_mib']:.0f} | {saved} | {r['step_s']:.1f} |"
         )
 
@@ -194,7 +200,12 @@ def main() -> None:
         "| training activations GiB | peak GiB | fits |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
-    tokens = rows * (args.prompt_tokens + length)
+    # A training pass runs each distinct prompt once (its cache serves the group's rows) and every row's completion.
+    prompts_in_batch = -(-rows // group)
+    tokens = prompts_in_batch * args.prompt_tokens + rows * length
+    # Checkpointed completion passes hold at most this many tokens (or one row): the layer recomputed in backward.
+    recomputed = min(1.0, max(CHECKPOINTED_PASS_TOKENS, length) / (rows * length))
+    printed = False
     for shape in args.shapes:
         for config in args.configs:
             source, ratio = shape, 1.0
@@ -204,11 +215,11 @@ def main() -> None:
                 source, ratio = args.scale_from, _layers_x_hidden(shape) / _layers_x_hidden(args.scale_from)
             saved, borrowed = {}, ""
             for checkpointing in (False, True):
-                value = _saved_at(results, source, config, checkpointing, sizes, tokens)
+                value = _saved_at(results, source, config, checkpointing, tokens)
                 if value is None and config == "qlora" and checkpointing:
                     # Under checkpointing both keep the same layer inputs of the fp32 stream (measured equal at
                     # every size both ran), so the slow 4-bit CPU steps need not run at both sizes.
-                    value = _saved_at(results, source, "lora", True, sizes, tokens)
+                    value = _saved_at(results, source, "lora", True, tokens)
                     borrowed = " (LoRA's)" if value is not None else ""
                 if value is not None:
                     saved[checkpointing] = value * ratio
@@ -217,24 +228,37 @@ def main() -> None:
                 note = (f" (from {source})" if source != shape else "") + (borrowed if checkpointing else "")
                 if checkpointing:  # the layer recomputed in backward, on top of the checkpoints
                     if False in saved:
-                        activations += saved[False] / parts["layers"]
+                        activations += saved[False] / parts["layers"] * recomputed
                     else:
-                        note += " (no recomputed layer: no step without checkpointing)"
+                        note += " (without the recomputed layer: no step without checkpointing)"
                 # The rollout's cache is freed before the training passes: the larger of the two counts.
                 peak = (parts["weights"] + parts["lora_state"] + max(parts["kv_cache"], activations)) / 1024
+                printed = True
                 print(
-                    f"| {shape} | {'4-bit NF4' if config == 'qlora' else 'bf16'} | "
-                    f"{'yes' if checkpointing else 'no'} | {parts['weights'] / 1024:.1f} | "
-                    f"{parts['lora_state'] / 1024:.2f} | {parts['kv_cache'] / 1024:.1f} | "
+                    f"| {shape} | {WEIGHTS[config]} | {'yes' if checkpointing else 'no'} | "
+                    f"{parts['weights'] / 1024:.1f} | {parts['lora_state'] / 1024:.2f} | "
+                    f"{parts['kv_cache'] / 1024:.1f} | "
                     f"{activations / 1024:.1f}{note} | {peak:.1f} | {'yes' if peak < args.gpu_gib * 0.9 else 'no'} |"
                 )
+    if not printed:
+        print(
+            "(no row: an estimate needs lit_grpo steps of a shape and configuration at two sizes of different length)"
+        )
 
 
-def _saved_at(results: dict, shape: str, config: str, checkpointing: bool, sizes, tokens: int) -> float | None:
-    """Saved activations (MiB) of a micro-batch of ``tokens``, linear through the first and last measured size."""
-    measured = [results.get((shape, g, n, "lit_grpo", config, checkpointing)) for g, n in sizes]
-    points = [(g * (r["prompt_tokens"] + n), r["saved_mib"]) for (g, n), r in zip(sizes, measured) if r]
-    if len(points) < 2:
+def _saved_at(results: dict, shape: str, config: str, checkpointing: bool, tokens: int) -> float | None:
+    """Saved activations (MiB) of a micro-batch of ``tokens``, linear through the fewest and most tokens measured.
+
+    A measured micro-batch is one prompt and G completions of N tokens: ``prompt + G x N`` tokens.
+    """
+    points = sorted(
+        {
+            (r["prompt_tokens"] + g * n, r["saved_mib"])
+            for (s, g, n, system, c, ckpt), r in results.items()
+            if (s, system, c, ckpt) == (shape, "lit_grpo", config, checkpointing)
+        }
+    )
+    if len(points) < 2 or points[0][0] == points[-1][0]:
         return None
     (t0, s0), (t1, s1) = points[0], points[-1]
     return s0 + (s1 - s0) / (t1 - t0) * (tokens - t0)

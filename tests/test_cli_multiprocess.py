@@ -74,17 +74,20 @@ def cli_args(tiny: str, root: Path, *extra: str) -> list[str]:
     ]
 
 
-def start(args: list[str], command: tuple[str, ...] = ("fit",)) -> subprocess.Popen:
+def start(args: list[str], command: tuple[str, ...] = ("fit",), log: Path | None = None) -> subprocess.Popen:
+    """Start ``lit-grpo`` in a session of its own; its output to ``log`` for a run nobody reads until it ends."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.Popen(
+    process = subprocess.Popen(
         [shutil.which("lit-grpo"), *command, *args],
         cwd=ROOT,
         env=env,
         text=True,
-        stdout=subprocess.PIPE,
+        stdout=log.open("w") if log else subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+    process.log = log
+    return process
 
 
 def finish(process: subprocess.Popen, deadline_s: float = DEADLINE_S) -> tuple[int, str]:
@@ -94,7 +97,9 @@ def finish(process: subprocess.Popen, deadline_s: float = DEADLINE_S) -> tuple[i
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
+        output = process.log.read_text() if process.log else output
         pytest.fail(f"lit-grpo fit still running after {deadline_s} s (a hang):\n{output[-6000:]}")
+    output = process.log.read_text() if process.log else output
     assert ranks_gone(process.pid), f"a rank outlived rank 0:\n{output[-3000:]}"
     return process.returncode, output
 
@@ -306,12 +311,12 @@ def test_sigterm_ends_every_rank_even_inside_a_collective(tiny_model_dir, tmp_pa
     assert "ending this process and its child ranks" in output
 
 
-def test_fsdp2_killed_inside_epochs_resumes_from_its_sharded_checkpoints_to_the_same_adapter(tiny_model_dir, tmp_path):
+def test_fsdp2_killed_inside_an_epoch_resumes_from_its_sharded_checkpoint_to_the_same_adapter(tiny_model_dir, tmp_path):
     # Both ranks SIGKILLed at once (the run's process group) inside the save of last.ckpt at step 7
     # (every shard written, rank 0's meta.pt not: written in place, the folder then held step 7's
     # weights with step 6's loop state), then resumed with --ckpt_path last from the sharded
     # checkpoint of step 6, inside epoch 1. 4 steps per epoch. The straight run goes alongside.
-    def launch(root: Path, *extra: str) -> subprocess.Popen:
+    def launch(root: Path, *extra: str, log: Path | None = None) -> subprocess.Popen:
         return start(
             [
                 "--config",
@@ -334,10 +339,11 @@ def test_fsdp2_killed_inside_epochs_resumes_from_its_sharded_checkpoints_to_the_
                     "--trainer.callbacks.save_last=true",
                     *extra,
                 ),
-            ]
+            ],
+            log=log,
         )
 
-    straight = launch(tmp_path / "straight")
+    straight = launch(tmp_path / "straight", log=tmp_path / "straight.log")  # read once it ends
     chaos = tmp_path / "chaos"
     code, output = finish(
         launch(

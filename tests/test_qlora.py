@@ -82,7 +82,7 @@ def test_qlora_step_trains_the_adapter_and_the_reference_is_the_4bit_base(model_
         assert torch.equal(after[name], packed), name
 
     base = load_base_model(spec)  # a fresh 4-bit base, no adapter at all
-    policy.eval()  # as PolicyModule.reference_model scores it (bitsandbytes' CPU kernels differ by mode)
+    policy.eval()  # as PolicyModule.reference_model scores it
     with policy.disable_adapter():
         reference_logprobs = _logprobs(policy, batch)
     torch.testing.assert_close(reference_logprobs, _logprobs(base, batch), rtol=0, atol=0)
@@ -106,15 +106,18 @@ def test_a_4bit_reward_model_exports_adapter_and_head_only_and_says_so(model_dir
     assert (tmp_path / "rm" / ADAPTER_DIR / HEAD_FILE).is_file()
 
 
-def test_a_rollout_leaves_the_4bit_training_path_as_it_was(tmp_path):
+def test_a_rollout_leaves_the_4bit_training_path_as_it_was(tmp_path, monkeypatch):
     # A Qwen2-shaped model: its q/k/v projections have biases. A rollout runs the policy in eval mode
     # without grad; on a CPU with AVX-512 BF16, bitsandbytes then repacked the 4-bit weights for its
     # inference kernel, which training went on to use: no gradient through the base layers (the lower
     # adapters' gradients came out wrong) and, with a bias, an in-place error.
+    import bitsandbytes.nn.modules
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from lit_grpo.model.random_models import byte_tokenizer
 
+    # As on a CPU with AVX-512 BF16 units (this project's machine has them), so the test bites on any host.
+    monkeypatch.setattr(bitsandbytes.nn.modules, "has_avx512bf16", lambda: True)
     tokenizer = byte_tokenizer()
     config = AutoConfig.for_model(
         "qwen2",
@@ -136,6 +139,8 @@ def test_a_rollout_leaves_the_4bit_training_path_as_it_was(tmp_path):
             if "lora_B" in name:
                 parameter.normal_(0, 0.1)  # a trained adapter: gradients reach lora_A through the base path
     assert policy.base_model.model.model.layers[0].self_attn.q_proj.base_layer.bias is not None
+    layers = [m for m in policy.modules() if isinstance(m, bitsandbytes.nn.Linear4bit)]
+    assert layers and not any(layer.support_avx512bf16_for_cpu for layer in layers)
 
     def gradients(batch) -> dict[str, torch.Tensor]:
         policy.train()
@@ -148,6 +153,7 @@ def test_a_rollout_leaves_the_4bit_training_path_as_it_was(tmp_path):
     policy.eval()
     _logprobs(policy, batch)  # as a rollout runs it
     after = gradients(batch)
+    assert not any(getattr(layer.weight.quant_state, "packing_format_for_cpu", False) for layer in layers)
     assert before.keys() == after.keys()
     for name in before:
         assert torch.equal(before[name], after[name]), name

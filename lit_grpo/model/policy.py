@@ -230,8 +230,6 @@ def load_base_model(spec: PolicySpec) -> nn.Module:
         dtype=dtype,
         **kwargs,
     )
-    if spec.load_in_4bit:
-        keep_trainable_4bit_layout(model)
     if kwargs.get("gguf_file"):
         forget_gguf_quantizer(model)
     if spec.init_adapter:
@@ -308,6 +306,7 @@ def build_policy(
     # A half-precision model keeps an fp32 residual stream (lit_grpo.model.stream); its dtype is read at each
     # call, so QLoRA's kbit preparation, which upcasts what it does not quantize, turns it into a no-op.
     base = keep_stream_fp32(model if model is not None else load_base_model(spec))
+    keep_trainable_4bit_layout(base)  # a no-op without 4-bit layers
     if spec.lora is None:
         reference = copy.deepcopy(base).requires_grad_(False).eval() if need_reference else None
         policy = base
