@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lit_grpo.model.logprob_passes import completion_logprobs
-from lit_grpo.model.policy import LoraSpec, PolicySpec, build_policy, load_base_model
+from lit_grpo.model.policy import LoraSpec, PolicySpec, build_policy, keep_trainable_4bit_layout, load_base_model
 from lit_grpo.objectives import grpo_loss
 
 
@@ -82,6 +82,7 @@ def test_qlora_step_trains_the_adapter_and_the_reference_is_the_4bit_base(model_
         assert torch.equal(after[name], packed), name
 
     base = load_base_model(spec)  # a fresh 4-bit base, no adapter at all
+    keep_trainable_4bit_layout(base)  # on the kernels a policy runs (build_policy's)
     policy.eval()  # as PolicyModule.reference_model scores it
     with policy.disable_adapter():
         reference_logprobs = _logprobs(policy, batch)
