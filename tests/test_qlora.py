@@ -113,28 +113,13 @@ def test_a_rollout_leaves_the_4bit_training_path_as_it_was(tmp_path, monkeypatch
     # inference kernel, which training went on to use: no gradient through the base layers (the lower
     # adapters' gradients came out wrong) and, with a bias, an in-place error.
     import bitsandbytes.nn.modules
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lit_grpo.model.random_models import byte_tokenizer
+    from lit_grpo.model.random_models import save_random_model
 
     # As on a CPU with AVX-512 BF16 units (this project's machine has them), so the test bites on any host.
     monkeypatch.setattr(bitsandbytes.nn.modules, "has_avx512bf16", lambda: True)
-    tokenizer = byte_tokenizer()
-    config = AutoConfig.for_model(
-        "qwen2",
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
-    policy, _ = build_policy(PolicySpec(name_or_path=str(tmp_path), load_in_4bit=True, lora=LoraSpec(r=4)))
+    folder = save_random_model("tiny-qwen2", tmp_path / "tiny-qwen2", torch.float32)
+    policy, _ = build_policy(PolicySpec(name_or_path=str(folder), load_in_4bit=True, lora=LoraSpec(r=4)))
     with torch.no_grad():
         for name, parameter in policy.named_parameters():
             if "lora_B" in name:

@@ -36,6 +36,20 @@ SHAPES: dict[str, tuple[str, dict]] = {
             tie_word_embeddings=True,
         ),
     ),
+    # The same, in Qwen2's layout: biased q/k/v projections.
+    "tiny-qwen2": (
+        "qwen2",
+        dict(
+            vocab_size=320,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+            tie_word_embeddings=True,
+        ),
+    ),
     "smollm2-135m": (
         "llama",
         dict(
