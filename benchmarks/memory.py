@@ -202,8 +202,8 @@ def run_length_lit(
     """``steps`` GRPO steps (one rollout and one optimizer step each) with lit_grpo.
 
     Returns:
-        ``seconds``: each step's; ``saved_mib``: the largest micro-batch's
-        activations saved for backward; ``prompt_tokens``: the prompts' padded width.
+        ``seconds``: each step's; ``phases``: each step's seconds per phase (``time/*``); ``saved_mib``: the
+        largest micro-batch's activations saved for backward; ``prompt_tokens``: the prompts' padded width.
     """
     import lightning as L
 
@@ -213,6 +213,7 @@ def run_length_lit(
     from lit_grpo.training.host_memory import ReleaseHostMemory
 
     seconds: list[float] = []
+    phases: list[dict[str, float]] = []
 
     class Timed(OnPolicyDataModule):
         def rollout_buffer(self):  # Lightning runs the rollout here, before on_train_epoch_start
@@ -222,6 +223,8 @@ def run_length_lit(
     class StepTimer(L.Callback):
         def on_train_epoch_end(self, trainer, module):
             seconds.append(time.perf_counter() - trainer.datamodule.started)
+            logged = trainer.callback_metrics
+            phases.append({k.removeprefix("time/"): float(v) for k, v in logged.items() if k.startswith("time/")})
             _check_length(trainer.datamodule.last_stats["completion/length_mean"], length)
 
     class SavedForBackward(L.Callback):
@@ -300,6 +303,7 @@ def run_length_lit(
     trainer.fit(module, _length_data(length, Timed, group_size))
     return {
         "seconds": seconds,
+        "phases": phases,
         "saved_mib": saved.largest_mib,
         "prompt_tokens": saved.prompt_tokens,
     }
@@ -413,6 +417,9 @@ def run_length(
         result = {"seconds": run_length_trl(model, length, steps, group_size, dtype)}
     gpu = torch.cuda.is_available()
     seconds = result.pop("seconds")
+    if "phases" in result:  # the warm steps' median of each phase, as step_s
+        steps = result["phases"][1:] or result["phases"]
+        result["phases"] = {k: statistics.median(step.get(k, 0.0) for step in steps) for k in steps[0]}
     return {"peak_mib": _peak_mib(gpu), "step_s": statistics.median(seconds[1:] or seconds), "gpu": gpu, **result}
 
 
@@ -490,6 +497,23 @@ def length_table(
     _growth(rows, labels, plot)
 
 
+def _phase_growth(label: str, checkpointing: bool, points: list[tuple[int, dict[str, float]]]) -> None:
+    """Where a row's step goes at each length (seconds per phase), and the exponent each phase grows with."""
+    import math
+
+    if not points:
+        return
+    names = [k for k, v in points[0][1].items() if v > 0.01]
+    print(f"\n{label}, checkpointing {'on' if checkpointing else 'off'}: seconds per phase (time/*), and N^k")
+    print("| N | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for n, phases in points:
+        print(f"| {n} | " + " | ".join(f"{phases.get(k, 0.0):.1f}" for k in names) + " |")
+    for (n0, p0), (n1, p1) in zip(points, points[1:]):
+        ks = [math.log(p1[k] / p0[k]) / math.log(n1 / n0) if p0.get(k) and p1.get(k) else float("nan") for k in names]
+        print(f"| k, {n0} -> {n1} | " + " | ".join(f"{k:.2f}" for k in ks) + " |")
+
+
 def _growth(rows: dict, labels: dict[str, str], plot: str | None) -> None:
     """The exponent k of each row's growth (value ~ N^k) between consecutive lengths; a log-log plot."""
     import math
@@ -505,6 +529,8 @@ def _growth(rows: dict, labels: dict[str, str], plot: str | None) -> None:
             k_peak = math.log(r1["peak_mib"] / r0["peak_mib"]) / math.log(n1 / n0)
             ckpt = "yes" if checkpointing else "no"
             print(f"| {labels[system]} | {ckpt} | {n0} | {n1} | {k_step:.2f} | {k_peak:.2f} |")
+    for (system, checkpointing), points in series.items():
+        _phase_growth(labels[system], checkpointing, [(n, r["phases"]) for n, r in points if r.get("phases")])
     if plot:
         import matplotlib
 

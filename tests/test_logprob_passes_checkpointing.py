@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_grpo.generation.rollout import encode_prompts
-from lit_grpo.model import logprob_passes
+from lit_grpo.model import attention, logprob_passes
+from lit_grpo.model.attention import prefix_causal_attention, use_sdpa_gqa
 from lit_grpo.model.logprob_passes import _full_logits, completion_logprobs
 from lit_grpo.objectives import token_logprobs
 
@@ -112,3 +114,52 @@ def test_checkpointing_keeps_the_shared_prompt_path(tiny_model_dir, rows):
     assert sorted(calls[len(forward) :]) == sorted(forward)  # each pass recomputed once, the prompt's too
     assert all(layer.gradient_checkpointing for layer in layers)
     assert all("forward" not in vars(layer) for layer in layers)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16 autocast"])
+def test_prefix_causal_attention_matches_one_masked_call(autocast):
+    """The prompt's keys and the causal ones apart, merged: one masked SDPA call's output and gradients
+    (under bf16 autocast from an fp32 stream's fp32 queries and keys and bf16 values, as SDPA there)."""
+    generator = torch.Generator().manual_seed(0)
+    batch, heads, kv_heads, prompt, length, dim = 3, 6, 2, 5, 9, 8
+    query = torch.randn(batch, heads, length, dim, generator=generator, requires_grad=True)
+    key, value = (torch.randn(batch, kv_heads, prompt + length, dim, generator=generator) for _ in range(2))
+    key.requires_grad_(), value.requires_grad_()
+    prefix_mask = torch.ones(batch, prompt, dtype=torch.bool)
+    prefix_mask[0, :2] = prefix_mask[2, :4] = False  # left padding
+    mask = torch.cat(
+        [prefix_mask[:, None].expand(-1, length, -1), torch.ones(length, length).tril().bool().expand(batch, -1, -1)],
+        -1,
+    )
+    weights = torch.randn(batch, heads, length, dim, generator=generator)
+    stored = value.detach().to(torch.bfloat16).requires_grad_() if autocast else value
+    results = []
+    for run in (
+        lambda: F.scaled_dot_product_attention(query, key, stored, attn_mask=mask[:, None], enable_gqa=True),
+        lambda: prefix_causal_attention(query, key, stored, prefix_mask, dim**-0.5),
+    ):
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            out = run()
+        grads = torch.autograd.grad((out.float() * weights).sum(), (query, key, stored))
+        results.append((out, *grads))
+    for got, expected in zip(results[1], results[0]):
+        assert got.dtype == expected.dtype
+        torch.testing.assert_close(got, expected, rtol=0, atol=0.02 if autocast else 1e-5)
+
+
+def test_long_completion_passes_attend_through_the_split_and_match_one_full_pass_per_row(
+    tiny_model_dir, rows, monkeypatch
+):
+    monkeypatch.setattr(logprob_passes, "SPLIT_FROM_TOKENS", 4)  # the 4-9 token passes split, the 2-token one not
+    calls = []
+    monkeypatch.setattr(
+        attention,
+        "prefix_causal_attention",
+        lambda *args: calls.append(args[0].shape[2]) or prefix_causal_attention(*args),
+    )
+    expected = logprobs_and_grads(policy(tiny_model_dir), rows, shared=False)
+    model = policy(tiny_model_dir, checkpointing=True)
+    assert use_sdpa_gqa(model.get_base_model())
+    got = logprobs_and_grads(model, rows)
+    assert_same(got, expected, rows[3].bool())
+    assert calls and min(calls) >= 4

@@ -11,6 +11,11 @@ completions through :func:`completion_logprobs`. Three things make it cheap:
   longest row.
 * The output head is fused with the log-softmax where the logits are a plain
   linear head, so ``[N, C, V]`` logits are never held.
+
+A long completion pass also attends to the prompt's keys and to its own
+causal ones in two calls (:func:`~lit_grpo.model.attention.prefix_causal_attention`),
+so the attention kernel skips the blocks above the diagonal that one masked
+call would score.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ import warnings
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from lit_grpo.model.attention import NAME as SDPA_GQA
+from lit_grpo.model.attention import SPLIT_FROM_TOKENS
 
 # Completion tokens per pass (rows x width) while the layers are checkpointed. What is
 # kept for backward is then a layer input per token per layer; the rest of a pass's
@@ -242,6 +250,7 @@ def _shared_prompt_logits(model, prompts, inverse, prompt_mask, completion_ids, 
 
     P = prompt_mask.shape[1]
     unique_ids, unique_mask = prompts[:, :P], prompts[:, P:]  # [U, P] each
+    split_attention = getattr(_base_model(model).config, "_attn_implementation", None) == SDPA_GQA
     cache = DynamicCache()
     with _own_checkpointing(model) as layers, _checkpointed(layers):
         first = model(
@@ -263,18 +272,22 @@ def _shared_prompt_logits(model, prompts, inverse, prompt_mask, completion_ids, 
                 width = int(lengths[rows].max())
                 if width < 2:
                     continue  # only a first token: the prompt pass predicted it
+                attended = completion_mask[rows, :width]
+                right_padded = bool((attended.cummin(-1).values == attended).all())  # no holes: causal suffices
+                split = split_attention and width >= SPLIT_FROM_TOKENS and right_padded
                 chunks.append(
                     (
                         rows,
                         1,
                         model(
                             input_ids=completion_ids[rows, :width],
-                            attention_mask=torch.cat([prompt_mask[rows], completion_mask[rows, :width]], dim=1),
+                            attention_mask=torch.cat([prompt_mask[rows], attended], dim=1),
                             position_ids=prompt_mask[rows].sum(-1, keepdim=True)
                             + torch.arange(width, device=rows.device),
                             **with_cache(cache_rows(cache, inverse[rows])),  # backward sums over each prompt's rows
                             use_cache=True,
                             logits_to_keep=_positions(0, width - 1, rows.device),
+                            **({"prefix_mask": prompt_mask[rows]} if split else {}),  # right padding only
                         ).logits,
                     )
                 )  # [n, width - 1, V]
