@@ -18,7 +18,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_grpo.generation.rollout import encode_prompts
-from lit_grpo.model import attention, logprob_passes
+from lit_grpo.model import logprob_passes
 from lit_grpo.model.attention import prefix_causal_attention, use_sdpa_gqa
 from lit_grpo.model.logprob_passes import _full_logits, completion_logprobs
 from lit_grpo.objectives import token_logprobs
@@ -116,17 +116,21 @@ def test_checkpointing_keeps_the_shared_prompt_path(tiny_model_dir, rows):
     assert all("forward" not in vars(layer) for layer in layers)
 
 
-@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16 autocast"])
-def test_prefix_causal_attention_matches_one_masked_call(autocast):
+@pytest.mark.parametrize(
+    "length, autocast", [(9, False), (9, True), (800, False)], ids=["fp32", "bf16 autocast", "800 queries"]
+)
+def test_prefix_causal_attention_matches_one_masked_call(length, autocast):
     """The prompt's keys and the causal ones apart, merged: one masked SDPA call's output and gradients
-    (under bf16 autocast from an fp32 stream's fp32 queries and keys and bf16 values, as SDPA there)."""
+    (under bf16 autocast from an fp32 stream's fp32 queries and keys and bf16 values, as SDPA there;
+    800 queries run the kernels' several blocks, the skipped ones above the diagonal among them)."""
     generator = torch.Generator().manual_seed(0)
-    batch, heads, kv_heads, prompt, length, dim = 3, 6, 2, 5, 9, 8
+    batch, heads, kv_heads, prompt, dim = 3, 6, 2, 5, 8
     query = torch.randn(batch, heads, length, dim, generator=generator, requires_grad=True)
     key, value = (torch.randn(batch, kv_heads, prompt + length, dim, generator=generator) for _ in range(2))
     key.requires_grad_(), value.requires_grad_()
     prefix_mask = torch.ones(batch, prompt, dtype=torch.bool)
     prefix_mask[0, :2] = prefix_mask[2, :4] = False  # left padding
+    prefix_mask[1] = False  # no prompt token at all: only its own keys count
     mask = torch.cat(
         [prefix_mask[:, None].expand(-1, length, -1), torch.ones(length, length).tril().bool().expand(batch, -1, -1)],
         -1,
@@ -147,19 +151,22 @@ def test_prefix_causal_attention_matches_one_masked_call(autocast):
         torch.testing.assert_close(got, expected, rtol=0, atol=0.02 if autocast else 1e-5)
 
 
-def test_long_completion_passes_attend_through_the_split_and_match_one_full_pass_per_row(
-    tiny_model_dir, rows, monkeypatch
+@pytest.mark.parametrize("checkpointing", [True, False], ids=["checkpointed", "whole buckets"])
+def test_long_passes_attend_through_the_split_and_match_one_full_pass_per_row(
+    tiny_model_dir, rows, monkeypatch, checkpointing
 ):
-    monkeypatch.setattr(logprob_passes, "SPLIT_FROM_TOKENS", 4)  # the 4-9 token passes split, the 2-token one not
-    calls = []
-    monkeypatch.setattr(
-        attention,
-        "prefix_causal_attention",
-        lambda *args: calls.append(args[0].shape[2]) or prefix_causal_attention(*args),
-    )
+    """Every completion pass at least SPLIT_FROM_TOKENS wide splits its attention, no narrower one does,
+    and the log-probs and LoRA gradients are those of one full pass per row."""
+    monkeypatch.setattr(logprob_passes, "SPLIT_FROM_TOKENS", 4)
     expected = logprobs_and_grads(policy(tiny_model_dir), rows, shared=False)
-    model = policy(tiny_model_dir, checkpointing=True)
+    model = policy(tiny_model_dir, checkpointing=checkpointing)
     assert use_sdpa_gqa(model.get_base_model())
+    passes = []  # (width, split) of each pass through the first layer; the prompt pass first
+    first = model.get_base_model().model.layers[0]
+    first.register_forward_pre_hook(
+        lambda layer, args, kwargs: passes.append((args[0].shape[1], "prefix_mask" in kwargs)), with_kwargs=True
+    )
     got = logprobs_and_grads(model, rows)
     assert_same(got, expected, rows[3].bool())
-    assert calls and min(calls) >= 4
+    assert not passes[0][1] and any(split for _, split in passes)
+    assert all(split == (width >= 4) for width, split in passes[1:])

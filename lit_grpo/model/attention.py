@@ -53,11 +53,13 @@ def sdpa_gqa_attention(
     grouped = query.shape[1] != key.shape[1]
     plain = kwargs.get("softcap") is None and kwargs.get("position_bias") is None and kwargs.get("s_aux") is None
     prefix_mask = kwargs.pop("prefix_mask", None)
+    window = kwargs.get("sliding_window")  # a sliding window lives in attention_mask, which the split leaves out
     if (
         prefix_mask is not None
         and plain
         and query.device.type == "cpu"
         and key.shape[2] == prefix_mask.shape[1] + query.shape[2]
+        and (window is None or window >= key.shape[2])
         and not dropout
     ):
         out = prefix_causal_attention(query, key, value, prefix_mask, scaling or query.shape[-1] ** -0.5)
@@ -80,16 +82,22 @@ def sdpa_gqa_attention(
 def prefix_causal_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prefix_mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Attention of ``query [B, H, C, D]`` over ``key/value [B, K, P + C, D]`` (``H`` a multiple of ``K``):
-    the first ``P`` keys where ``prefix_mask [B, P]`` is true, then the last ``C`` causally.
+    """Attention over a prefix's real keys, then causally over the queries' own keys.
 
     What one SDPA call with the mask ``[prefix_mask | lower triangle]`` computes,
     within float rounding, with the causal part's blocks above the diagonal
     skipped (CPU flash kernels). Query rows past a right-padded row's end
-    attend to that row's padding; their outputs are never read.
+    attend to that row's padding too; what they yield is padding, masked by
+    the caller. Under autocast all three inputs run in its dtype, as SDPA's
+    would (an fp32 residual stream rotates its queries and keys in fp32 beside
+    bf16 values).
 
-    Under autocast all three run in its dtype, as SDPA's would (an fp32 residual
-    stream rotates its queries and keys in fp32 beside bf16 values).
+    Args:
+        query: ``[B, H, C, D]``, the ``C`` queries at the keys' last ``C`` positions.
+        key: ``[B, K, P + C, D]``, ``H`` a multiple of ``K`` (grouped-query heads).
+        value: ``[B, K, P + C, D]``.
+        prefix_mask: ``[B, P]``, true where a prefix key is real (false: left padding).
+        scale: The scores' factor (``D ** -0.5`` for most models).
 
     Returns:
         ``[B, H, C, D]``.
@@ -124,6 +132,8 @@ class _PrefixCausal(torch.autograd.Function):
             ),
         ]
         (out_prefix, lse_prefix), (out_own, lse_own) = parts  # [B, H, C, D], [B, H, C] (fp32)
+        # The kernel leaves a row whose keys are all masked at out 0, lse 0: it must weigh nothing.
+        lse_prefix = lse_prefix.masked_fill(~prefix_mask.bool().any(-1)[:, None, None], float("-inf"))
         lse = torch.logaddexp(lse_prefix, lse_own)
         out = (
             torch.exp(lse_prefix - lse)[..., None] * out_prefix.float()
@@ -138,7 +148,6 @@ class _PrefixCausal(torch.autograd.Function):
         query, key, value, bias, out, lse = ctx.saved_tensors
         prefix, scale = ctx.prefix, ctx.scale
         backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-        grad = grad.contiguous()
         dq_prefix, dk_prefix, dv_prefix = backward(
             grad, query, key[:, :, :prefix], value[:, :, :prefix], out, lse, 0.0, False, attn_mask=bias, scale=scale
         )

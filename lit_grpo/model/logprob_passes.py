@@ -273,8 +273,11 @@ def _shared_prompt_logits(model, prompts, inverse, prompt_mask, completion_ids, 
                 if width < 2:
                     continue  # only a first token: the prompt pass predicted it
                 attended = completion_mask[rows, :width]
-                right_padded = bool((attended.cummin(-1).values == attended).all())  # no holes: causal suffices
-                split = split_attention and width >= SPLIT_FROM_TOKENS and right_padded
+                split = (
+                    split_attention
+                    and width >= SPLIT_FROM_TOKENS
+                    and bool((attended.cummin(-1).values == attended).all())  # right padding only: causal suffices
+                )
                 chunks.append(
                     (
                         rows,
@@ -287,7 +290,7 @@ def _shared_prompt_logits(model, prompts, inverse, prompt_mask, completion_ids, 
                             **with_cache(cache_rows(cache, inverse[rows])),  # backward sums over each prompt's rows
                             use_cache=True,
                             logits_to_keep=_positions(0, width - 1, rows.device),
-                            **({"prefix_mask": prompt_mask[rows]} if split else {}),  # right padding only
+                            **({"prefix_mask": prompt_mask[rows]} if split else {}),
                         ).logits,
                     )
                 )  # [n, width - 1, V]
