@@ -59,6 +59,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import resource
 import statistics
 import subprocess
@@ -497,10 +498,13 @@ def length_table(
     _growth(rows, labels, plot)
 
 
+def _exponent(n0: int, v0: float, n1: int, v1: float) -> float:
+    """The k of ``v ~ N^k`` through ``(n0, v0)`` and ``(n1, v1)``; nan where a value is 0."""
+    return math.log(v1 / v0) / math.log(n1 / n0) if v0 and v1 else float("nan")
+
+
 def _phase_growth(label: str, checkpointing: bool, points: list[tuple[int, dict[str, float]]]) -> None:
     """Where a row's step goes at each length (seconds per phase), and the exponent each phase grows with."""
-    import math
-
     if not points:
         return
     names = [k for k, v in points[0][1].items() if v > 0.01]
@@ -510,14 +514,12 @@ def _phase_growth(label: str, checkpointing: bool, points: list[tuple[int, dict[
     for n, phases in points:
         print(f"| {n} | " + " | ".join(f"{phases.get(k, 0.0):.1f}" for k in names) + " |")
     for (n0, p0), (n1, p1) in zip(points, points[1:]):
-        ks = [math.log(p1[k] / p0[k]) / math.log(n1 / n0) if p0.get(k) and p1.get(k) else float("nan") for k in names]
+        ks = [_exponent(n0, p0.get(k, 0.0), n1, p1.get(k, 0.0)) for k in names]
         print(f"| k, {n0} -> {n1} | " + " | ".join(f"{k:.2f}" for k in ks) + " |")
 
 
 def _growth(rows: dict, labels: dict[str, str], plot: str | None) -> None:
     """The exponent k of each row's growth (value ~ N^k) between consecutive lengths; a log-log plot."""
-    import math
-
     series: dict[tuple[str, bool], list[tuple[int, dict]]] = {}
     for (length, system, checkpointing), r in sorted(rows.items()):
         series.setdefault((system, checkpointing), []).append((length, r))
@@ -525,8 +527,8 @@ def _growth(rows: dict, labels: dict[str, str], plot: str | None) -> None:
     print("|---|---|---|---|---|---|")
     for (system, checkpointing), points in series.items():
         for (n0, r0), (n1, r1) in zip(points, points[1:]):
-            k_step = math.log(r1["step_s"] / r0["step_s"]) / math.log(n1 / n0)
-            k_peak = math.log(r1["peak_mib"] / r0["peak_mib"]) / math.log(n1 / n0)
+            k_step = _exponent(n0, r0["step_s"], n1, r1["step_s"])
+            k_peak = _exponent(n0, r0["peak_mib"], n1, r1["peak_mib"])
             ckpt = "yes" if checkpointing else "no"
             print(f"| {labels[system]} | {ckpt} | {n0} | {n1} | {k_step:.2f} | {k_peak:.2f} |")
     for (system, checkpointing), points in series.items():

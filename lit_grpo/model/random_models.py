@@ -21,35 +21,21 @@ from pathlib import Path
 
 import torch
 
+# For tests and dry runs; bitsandbytes' CPU 4-bit kernels need 64 | inputs and 32 | outputs.
+_TINY = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+)
+
 SHAPES: dict[str, tuple[str, dict]] = {
-    # For tests and dry runs; bitsandbytes' CPU 4-bit kernels need 64 | inputs and 32 | outputs.
-    "tiny": (
-        "llama",
-        dict(
-            vocab_size=320,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=2048,
-            tie_word_embeddings=True,
-        ),
-    ),
-    # The same, in Qwen2's layout: biased q/k/v projections.
-    "tiny-qwen2": (
-        "qwen2",
-        dict(
-            vocab_size=320,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=2048,
-            tie_word_embeddings=True,
-        ),
-    ),
+    "tiny": ("llama", _TINY),
+    "tiny-qwen2": ("qwen2", _TINY),  # the same in Qwen2's layout: biased q/k/v projections
     "smollm2-135m": (
         "llama",
         dict(
